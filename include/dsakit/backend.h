@@ -1,0 +1,148 @@
+// The backend interface: every kernel of the layer, on one device. The layer composes these
+// ops; tests run the same suite against every backend. Arguments are device views on the
+// backend's device unless noted; every op validates its arguments (shapes, dtypes, devices,
+// index ranges that can be checked without a device round trip) before any write.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsakit/pool.h"
+#include "dsakit/tensor.h"
+
+namespace dsakit {
+
+struct Capabilities {
+  Device device = Device::kCpu;
+  std::string device_name;          // "cpu (2 threads)", "NVIDIA H200"
+  int sm_arch = 0;                  // 90 for sm_90; 0 on the CPU
+  bool dense_mha = false;           // a dense MHA path exists for this device
+  DType intermediate_dtype = DType::kF32;  // q_abs, o_lat, up-projected K/V
+};
+
+// Indexer (DESIGN.md §3.2) over the index-key pool. Scores of token t cover positions
+// 0 … ctx_len[t]-1 of its request, whose locations are kv_locs[kv_start[t] + p].
+struct IndexerArgs {
+  TensorView q8;         // u8  [T, H_i, d_i]  e4m3 bytes of idx_q / s_q
+  TensorView gate;       // f32 [T, H_i]       idx_w · H_i^-0.5 · d_i^-0.5 · s_q
+  const IndexKeyPool* keys = nullptr;
+  TensorView kv_locs;    // i32 [N_kv]
+  TensorView kv_start;   // i32 [T]
+  TensorView ctx_len;    // i32 [T]
+};
+
+struct SparseMlaArgs {
+  TensorView q_abs;        // [T, H, d_c]   bf16 | f32 (absorbed no-position query)
+  TensorView q_pe;         // [T, H, d_rope] bf16 | f32
+  const PagedKvPool* kv = nullptr;
+  TensorView indices;      // i32 [T, k] pool locations; < 0 or >= num_locations: skipped
+  TensorView topk_length;  // optional i32 [T]: token t reads only slots [0, topk_length[t])
+  double sm_scale = 0;
+  TensorView o_lat;        // out [T, H, d_c] bf16 | f32
+  TensorView lse;          // out f32 [T, H], natural log; +inf for a query with no valid slot
+};
+
+struct DenseMhaArgs {
+  TensorView q_nope;   // [T, H, d_nope] bf16 | f32
+  TensorView q_pe;     // [T, H, d_rope] bf16 | f32
+  TensorView k_nope;   // [N, H, d_nope] bf16 | f32 (up-projected from the pool)
+  TensorView k_pe;     // [N, d_rope]    bf16 | f32 (shared by all heads)
+  TensorView v;        // [N, H, d_v]    bf16 | f32
+  TensorView cu_q;     // i32 [B+1]
+  TensorView cu_kv;    // i32 [B+1]; query i of request r sees kv rows [0, L_r - E_r + i]
+  // Host copies of cu_q / cu_kv (always host memory), for scheduling without a device read.
+  const int32_t* cu_q_host = nullptr;
+  const int32_t* cu_kv_host = nullptr;
+  int num_requests = 0;
+  double sm_scale = 0;
+  TensorView o;        // out [T, H, d_v] bf16 | f32
+  TensorView lse;      // out f32 [T, H]
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const Capabilities& capabilities() const = 0;
+  Device device() const { return capabilities().device; }
+
+  // ---- memory -------------------------------------------------------------------------
+  virtual Tensor empty(DType dtype, const std::vector<int64_t>& shape) = 0;
+  // Copies between any two devices; shapes' numel and dtypes must match.
+  virtual void copy(const TensorView& dst, const TensorView& src) = 0;
+  virtual void fill_bytes(const TensorView& dst, uint8_t byte) = 0;
+  // Fills with NaN (float tensors) or 0xFF bytes: poison before a kernel writes.
+  virtual void poison(const TensorView& dst) = 0;
+  virtual void synchronize() = 0;
+
+  PagedKvPool make_kv_pool(const KvPoolDesc& desc);       // zero-filled
+  IndexKeyPool make_index_pool(const IndexKeyPoolDesc& desc);
+  Tensor to_device(const TensorView& host);                // copy of a host tensor
+  Tensor to_host(const TensorView& t);
+
+  // ---- pool ---------------------------------------------------------------------------
+  // Quantizes n tokens into their locations. locs: i32 [n], c_kv: bf16 [n, d_c],
+  // k_pe: bf16 [n, d_rope]. Locations must be distinct and in range.
+  virtual void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                        const TensorView& k_pe) = 0;
+  // Dequantizes n locations into c_kv [n, d_c] and k_pe [n, d_rope] (bf16 or f32).
+  virtual void gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                         const TensorView& k_pe) = 0;
+  // Quantizes idx_k bf16 [n, d_i] per token (power-of-two scale) into the index-key pool.
+  virtual void store_index_keys(IndexKeyPool& pool, const TensorView& locs,
+                                const TensorView& idx_k) = 0;
+
+  // ---- indexer ------------------------------------------------------------------------
+  // idx_q bf16 [T, H_i, d_i], idx_w f32 [T, H_i] -> q8 u8 [T, H_i, d_i], gate f32 [T, H_i].
+  virtual void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w,
+                                  const TensorView& q8, const TensorView& gate) = 0;
+  // Logits of tokens [row_begin, row_end) into logits f32 [row_end - row_begin, width]:
+  // entry (t, p) for p < ctx_len[t] (requires ctx_len[t] <= width), -inf for p >= ctx_len[t].
+  virtual void indexer_logits(const IndexerArgs& args, int64_t row_begin, int64_t row_end,
+                              const TensorView& logits) = 0;
+  // Top-k of each logits row over its first ctx_len[t] entries: the selected positions in
+  // ascending order, -1 padded, into out i32 [rows, k]. Largest scores win; ties go to the lower
+  // position; NaN ranks below every number (-inf included).
+  virtual void topk(const TensorView& logits, const TensorView& ctx_len, int k,
+                    const TensorView& out) = 0;
+  // The whole indexer: quantize, logits (in row blocks bounded by workspace) and top-k, with
+  // the identity shortcut for tokens whose ctx_len <= k (no logits computed for them).
+  // out: i32 [T, k] positions within each request, ascending, -1 padded.
+  virtual void indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
+                            const IndexerArgs& layout, int k, const TensorView& out) = 0;
+
+  // ---- projections (GEMMs) ------------------------------------------------------------
+  // kv_b_proj: bf16 [H*(d_nope+d_v), d_c] (per head: d_nope rows of W_UK, then d_v of W_UV).
+  // q_abs[t,h] = q_nope[t,h] · W_UK[h]: q_nope [T, H, d_nope] -> q_abs [T, H, d_c].
+  virtual void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
+                        const TensorView& q_abs) = 0;
+  // o[t,h] = W_UV[h] · o_lat[t,h]: o_lat [T, H, d_c] -> o [T, H, d_v].
+  virtual void up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
+                         const TensorView& o) = 0;
+  // k_nope[n,h] = W_UK[h] · c_kv[n], v[n,h] = W_UV[h] · c_kv[n]:
+  // c_kv [N, d_c] -> k_nope [N, H, d_nope], v [N, H, d_v].
+  virtual void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj,
+                          const TensorView& k_nope, const TensorView& v) = 0;
+
+  // ---- attention ----------------------------------------------------------------------
+  virtual void sparse_mla(const SparseMlaArgs& args) = 0;
+  virtual void dense_mha(const DenseMhaArgs& args) = 0;
+  // Merges W partial results by lse (DCP): o = Σ_w exp(lse_w - lse) o_w, lse = log Σ exp(lse_w).
+  // o_parts f32 [W, T, H, D], lse_parts f32 [W, T, H] -> o [T, H, D] (bf16|f32), lse f32 [T, H].
+  // A part with lse = +inf (no valid key) contributes nothing.
+  virtual void merge_partials(const TensorView& o_parts, const TensorView& lse_parts,
+                              const TensorView& o, const TensorView& lse) = 0;
+};
+
+// The CPU backend (always built). threads <= 0: OpenMP's default.
+std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+// The CUDA backend on `device_index`; throws Error(kUnsupported) when dsakit was built without
+// CUDA or no usable GPU is present.
+std::unique_ptr<Backend> make_cuda_backend(int device_index = 0);
+bool cuda_backend_compiled();
+int cuda_device_count();  // 0 without CUDA or without a GPU
+// "cpu" | "cuda" | "auto" (cuda when a GPU is present, else cpu).
+std::unique_ptr<Backend> make_backend(const std::string& device);
+
+}  // namespace dsakit

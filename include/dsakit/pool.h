@@ -1,0 +1,120 @@
+// The paged MLA KV pool and the indexer-key pool (DESIGN.md §4).
+//
+// Location of position p of a request: loc = page_table[p / page_size] * page_size + p % page_size.
+// A latent pool's storage is u8 [num_pages * page_size, bytes_per_token]: one row per location.
+//
+// Latent layouts, bytes per token for d_c = 512, d_rope = 64:
+//   bf16     1152 B  [0, 2*d_c) c_kv bf16 | [2*d_c, 2*d_c + 2*d_rope) k_pe bf16
+//   fp8       656 B  [0, d_c) c_kv e4m3 | [d_c, d_c + 4*d_c/128) fp32 LE scale per 128-tile |
+//                    then d_rope bf16 k_pe (not quantized)
+//   fp8-raw   576 B  d_c + d_rope e4m3 values of x / k_scale (one fp32 k_scale per pool)
+// Index-key pool storage is u8 [num_pages, page_size * (d_i + 4)]: per page, page_size * d_i e4m3
+// bytes, then page_size fp32 scales (power-of-two, DESIGN.md §3.2).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dsakit/formats.h"
+#include "dsakit/tensor.h"
+
+namespace dsakit {
+
+enum class KvLayout : uint8_t { kBf16, kFp8Scaled, kFp8Raw };
+
+inline constexpr int kFp8TileSize = 128;  // values per fp32 scale in the fp8 (656 B) layout
+
+const char* to_string(KvLayout layout);  // "bf16" | "fp8" | "fp8-raw"
+KvLayout parse_kv_layout(const std::string& name);  // throws naming the accepted names
+const char* to_string(ScalePolicy policy);          // "amax" | "pow2"
+ScalePolicy parse_scale_policy(const std::string& name);
+
+// Byte layout of one latent token row.
+struct KvRowLayout {
+  KvLayout layout;
+  int d_c;
+  int d_rope;
+
+  DSAKIT_HD int bytes_per_token() const {
+    switch (layout) {
+      case KvLayout::kBf16: return 2 * (d_c + d_rope);
+      case KvLayout::kFp8Scaled: return d_c + 4 * (d_c / kFp8TileSize) + 2 * d_rope;
+      case KvLayout::kFp8Raw: return d_c + d_rope;
+    }
+    return 0;
+  }
+  DSAKIT_HD int scales_offset() const { return d_c; }                            // fp8 only
+  DSAKIT_HD int rope_offset() const {
+    return layout == KvLayout::kBf16       ? 2 * d_c
+           : layout == KvLayout::kFp8Raw   ? d_c
+                                           : d_c + 4 * (d_c / kFp8TileSize);
+  }
+};
+
+struct KvPoolDesc {
+  KvLayout layout = KvLayout::kBf16;
+  int page_size = 64;
+  int64_t num_pages = 0;
+  int d_c = 512;
+  int d_rope = 64;
+  ScalePolicy scale_policy = ScalePolicy::kAmax;  // fp8 only
+  float k_scale = 1.0f;                           // fp8-raw only
+
+  KvRowLayout row() const { return {layout, d_c, d_rope}; }
+  int bytes_per_token() const { return row().bytes_per_token(); }
+  int64_t num_locations() const { return num_pages * page_size; }
+  void validate() const;  // throws naming the field
+  std::string summary() const;
+};
+
+struct IndexKeyPoolDesc {
+  int page_size = 64;
+  int64_t num_pages = 0;
+  int d_i = 128;
+
+  int bytes_per_token() const { return d_i + 4; }
+  int64_t page_bytes() const { return int64_t(page_size) * bytes_per_token(); }
+  int64_t num_locations() const { return num_pages * page_size; }
+  void validate() const;
+};
+
+// A latent KV pool: a typed description plus its storage on one device.
+class PagedKvPool {
+ public:
+  PagedKvPool() = default;
+  // storage: u8 [num_locations, bytes_per_token], contiguous.
+  PagedKvPool(const KvPoolDesc& desc, Tensor storage);
+
+  const KvPoolDesc& desc() const { return desc_; }
+  KvLayout layout() const { return desc_.layout; }
+  Device device() const { return storage_.device(); }
+  const TensorView& storage() const { return storage_.view(); }
+
+  // Typed access: throws Error(kLayoutMismatch) naming both layouts, e.g.
+  //   "gather_kv: pool layout is fp8-raw (576 B/token) but the caller expects fp8 (656 B/token)".
+  void expect_layout(KvLayout expected, const char* who) const;
+
+ private:
+  KvPoolDesc desc_;
+  Tensor storage_;
+};
+
+class IndexKeyPool {
+ public:
+  IndexKeyPool() = default;
+  // storage: u8 [num_pages, page_bytes], contiguous.
+  IndexKeyPool(const IndexKeyPoolDesc& desc, Tensor storage);
+
+  const IndexKeyPoolDesc& desc() const { return desc_; }
+  Device device() const { return storage_.device(); }
+  const TensorView& storage() const { return storage_.view(); }
+
+ private:
+  IndexKeyPoolDesc desc_;
+  Tensor storage_;
+};
+
+// Checks a location list (i32 [n]) on the host: every entry in [0, num_locations).
+void check_locations(const TensorView& locs, int64_t num_locations, const char* name);
+
+}  // namespace dsakit

@@ -1,0 +1,218 @@
+#include "src/core/validate.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "dsakit/error.h"
+
+namespace dsakit::validate {
+
+namespace {
+
+constexpr std::initializer_list<DType> kFloat = {DType::kBF16, DType::kF32};
+
+void check_locs_values(const int32_t* locs, int64_t n, int64_t num_locations, const char* name,
+                       bool distinct) {
+  if (locs == nullptr) return;
+  std::unordered_set<int32_t> seen;
+  for (int64_t i = 0; i < n; ++i) {
+    DSAKIT_CHECK_ARG(locs[i] >= 0 && locs[i] < num_locations, name, "[", i,
+                     "]: expected a pool location in [0, ", num_locations, "), got ", locs[i]);
+    if (distinct)
+      DSAKIT_CHECK_ARG(seen.insert(locs[i]).second, name, "[", i, "]: location ", locs[i],
+                       " appears twice (each token needs its own location)");
+  }
+}
+
+}  // namespace
+
+void store_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+              const TensorView& k_pe, Device dev, const int32_t* host_locs) {
+  DSAKIT_CHECK_ARG(pool.device() == dev, "store_kv: pool lives on ", to_string(pool.device()),
+                   ", backend on ", to_string(dev));
+  const auto& d = pool.desc();
+  check_tensor(locs, "locs", DType::kI32, dev, {-1});
+  const int64_t n = locs.shape[0];
+  check_tensor(c_kv, "c_kv", DType::kBF16, dev, {n, d.d_c});
+  check_tensor(k_pe, "k_pe", DType::kBF16, dev, {n, d.d_rope});
+  check_locs_values(host_locs, n, d.num_locations(), "locs", true);
+}
+
+void gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+               const TensorView& k_pe, Device dev, const int32_t* host_locs) {
+  DSAKIT_CHECK_ARG(pool.device() == dev, "gather_kv: pool lives on ", to_string(pool.device()),
+                   ", backend on ", to_string(dev));
+  const auto& d = pool.desc();
+  check_tensor(locs, "locs", DType::kI32, dev, {-1});
+  const int64_t n = locs.shape[0];
+  check_tensor(c_kv, "c_kv", kFloat, dev, {n, d.d_c});
+  check_tensor(k_pe, "k_pe", kFloat, dev, {n, d.d_rope});
+  check_locs_values(host_locs, n, d.num_locations(), "locs", false);
+}
+
+void store_index_keys(const IndexKeyPool& pool, const TensorView& locs, const TensorView& idx_k,
+                      Device dev, const int32_t* host_locs) {
+  DSAKIT_CHECK_ARG(pool.device() == dev, "store_index_keys: pool lives on ",
+                   to_string(pool.device()), ", backend on ", to_string(dev));
+  check_tensor(locs, "locs", DType::kI32, dev, {-1});
+  const int64_t n = locs.shape[0];
+  check_tensor(idx_k, "idx_k", DType::kBF16, dev, {n, pool.desc().d_i});
+  check_locs_values(host_locs, n, pool.desc().num_locations(), "locs", true);
+}
+
+void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const TensorView& q8,
+                        const TensorView& gate, Device dev) {
+  check_tensor(idx_q, "idx_q", DType::kBF16, dev, {-1, -1, -1});
+  const int64_t t = idx_q.shape[0], h = idx_q.shape[1], d = idx_q.shape[2];
+  check_tensor(idx_w, "idx_w", DType::kF32, dev, {t, h});
+  check_tensor(q8, "q8", DType::kU8, dev, {t, h, d});
+  check_tensor(gate, "gate", DType::kF32, dev, {t, h});
+}
+
+int64_t indexer_args(const IndexerArgs& a, Device dev, const int32_t* host_kv_locs,
+                     const int32_t* host_kv_start, const int32_t* host_ctx_len) {
+  DSAKIT_CHECK_ARG(a.keys != nullptr, "indexer: keys (index-key pool) is null");
+  DSAKIT_CHECK_ARG(a.keys->device() == dev, "indexer: index-key pool lives on ",
+                   to_string(a.keys->device()), ", backend on ", to_string(dev));
+  const int d_i = a.keys->desc().d_i;
+  check_tensor(a.q8, "q8", DType::kU8, dev, {-1, -1, d_i});
+  const int64_t t = a.q8.shape[0], h = a.q8.shape[1];
+  check_tensor(a.gate, "gate", DType::kF32, dev, {t, h});
+  check_tensor(a.kv_locs, "kv_locs", DType::kI32, dev, {-1});
+  check_tensor(a.kv_start, "kv_start", DType::kI32, dev, {t});
+  check_tensor(a.ctx_len, "ctx_len", DType::kI32, dev, {t});
+  const int64_t n_kv = a.kv_locs.shape[0];
+  int64_t max_ctx = 0;
+  if (host_kv_start && host_ctx_len) {
+    for (int64_t i = 0; i < t; ++i) {
+      DSAKIT_CHECK_ARG(host_ctx_len[i] >= 0, "ctx_len[", i, "]: expected >= 0, got ",
+                       host_ctx_len[i]);
+      DSAKIT_CHECK_ARG(host_kv_start[i] >= 0 && int64_t(host_kv_start[i]) + host_ctx_len[i] <= n_kv,
+                       "kv_start[", i, "] + ctx_len[", i, "] = ", host_kv_start[i], " + ",
+                       host_ctx_len[i], ": expected within kv_locs of ", n_kv, " entries");
+      max_ctx = std::max<int64_t>(max_ctx, host_ctx_len[i]);
+    }
+  }
+  check_locs_values(host_kv_locs, host_kv_locs ? n_kv : 0, a.keys->desc().num_locations(),
+                    "kv_locs", false);
+  return max_ctx;
+}
+
+void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
+                        const TensorView& logits, int64_t max_ctx, Device dev) {
+  const int64_t t = a.q8.shape[0];
+  DSAKIT_CHECK_ARG(0 <= row_begin && row_begin <= row_end && row_end <= t,
+                   "indexer_logits rows: expected 0 <= begin <= end <= ", t, ", got [",
+                   row_begin, ", ", row_end, ")");
+  check_tensor(logits, "logits", DType::kF32, dev, {row_end - row_begin, -1});
+  DSAKIT_CHECK_ARG(logits.shape[1] >= max_ctx, "logits: width ", logits.shape[1],
+                   " is smaller than the longest context ", max_ctx);
+}
+
+void topk(const TensorView& logits, const TensorView& ctx_len, int k, const TensorView& out,
+          Device dev, const int32_t* host_ctx_len) {
+  DSAKIT_CHECK_ARG(k >= 1, "topk k: expected >= 1, got ", k);
+  check_tensor(logits, "logits", DType::kF32, dev, {-1, -1});
+  const int64_t rows = logits.shape[0], width = logits.shape[1];
+  check_tensor(ctx_len, "ctx_len", DType::kI32, dev, {rows});
+  check_tensor(out, "topk out", DType::kI32, dev, {rows, k});
+  if (host_ctx_len)
+    for (int64_t i = 0; i < rows; ++i)
+      DSAKIT_CHECK_ARG(host_ctx_len[i] >= 0 && host_ctx_len[i] <= width, "ctx_len[", i,
+                       "]: expected in [0, ", width, "], got ", host_ctx_len[i]);
+}
+
+static void check_kv_b_proj(const TensorView& w, Device dev, int64_t h, int64_t d_nope,
+                            int64_t d_v, int64_t d_c) {
+  check_tensor(w, "kv_b_proj", DType::kBF16, dev, {h * (d_nope + d_v), d_c});
+}
+
+void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
+              const TensorView& q_abs, Device dev) {
+  check_tensor(q_nope, "q_nope", kFloat, dev, {-1, -1, -1});
+  const int64_t t = q_nope.shape[0], h = q_nope.shape[1], dn = q_nope.shape[2];
+  DSAKIT_CHECK_ARG(d_v > 0, "d_v: expected > 0, got ", d_v);
+  DSAKIT_CHECK_ARG(kv_b_proj.ndim == 2, "kv_b_proj: expected 2 dims, got ", kv_b_proj.shape_str());
+  const int64_t dc = kv_b_proj.shape[1];
+  check_kv_b_proj(kv_b_proj, dev, h, dn, d_v, dc);
+  check_tensor(q_abs, "q_abs", kFloat, dev, {t, h, dc});
+}
+
+void up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
+               const TensorView& o, Device dev) {
+  check_tensor(o_lat, "o_lat", kFloat, dev, {-1, -1, -1});
+  const int64_t t = o_lat.shape[0], h = o_lat.shape[1], dc = o_lat.shape[2];
+  check_tensor(o, "o", kFloat, dev, {t, h, -1});
+  check_kv_b_proj(kv_b_proj, dev, h, d_nope, o.shape[2], dc);
+}
+
+void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const TensorView& k_nope,
+                const TensorView& v, Device dev) {
+  check_tensor(c_kv, "c_kv", kFloat, dev, {-1, -1});
+  const int64_t n = c_kv.shape[0], dc = c_kv.shape[1];
+  check_tensor(k_nope, "k_nope", kFloat, dev, {n, -1, -1});
+  const int64_t h = k_nope.shape[1];
+  check_tensor(v, "v", kFloat, dev, {n, h, -1});
+  check_kv_b_proj(kv_b_proj, dev, h, k_nope.shape[2], v.shape[2], dc);
+}
+
+void sparse_mla(const SparseMlaArgs& a, Device dev) {
+  DSAKIT_CHECK_ARG(a.kv != nullptr, "sparse_mla: kv pool is null");
+  DSAKIT_CHECK_ARG(a.kv->device() == dev, "sparse_mla: kv pool lives on ",
+                   to_string(a.kv->device()), ", backend on ", to_string(dev));
+  const auto& d = a.kv->desc();
+  check_tensor(a.q_abs, "q_abs", kFloat, dev, {-1, -1, d.d_c});
+  const int64_t t = a.q_abs.shape[0], h = a.q_abs.shape[1];
+  check_tensor(a.q_pe, "q_pe", kFloat, dev, {t, h, d.d_rope});
+  check_tensor(a.indices, "indices", DType::kI32, dev, {t, -1});
+  if (a.topk_length.ndim != 0) check_tensor(a.topk_length, "topk_length", DType::kI32, dev, {t});
+  check_tensor(a.o_lat, "o_lat", kFloat, dev, {t, h, d.d_c});
+  check_tensor(a.lse, "lse", DType::kF32, dev, {t, h});
+  DSAKIT_CHECK_ARG(a.sm_scale > 0 && a.sm_scale < 1e6, "sm_scale: expected a positive finite value, got ",
+                   a.sm_scale);
+}
+
+void dense_mha(const DenseMhaArgs& a, Device dev) {
+  check_tensor(a.q_nope, "q_nope", kFloat, dev, {-1, -1, -1});
+  const int64_t t = a.q_nope.shape[0], h = a.q_nope.shape[1], dn = a.q_nope.shape[2];
+  check_tensor(a.q_pe, "q_pe", kFloat, dev, {t, h, -1});
+  const int64_t dr = a.q_pe.shape[2];
+  check_tensor(a.k_nope, "k_nope", kFloat, dev, {-1, h, dn});
+  const int64_t n = a.k_nope.shape[0];
+  check_tensor(a.k_pe, "k_pe", kFloat, dev, {n, dr});
+  check_tensor(a.v, "v", kFloat, dev, {n, h, -1});
+  const int64_t dv = a.v.shape[2];
+  const int64_t b = a.num_requests;
+  DSAKIT_CHECK_ARG(b >= 1, "dense_mha num_requests: expected >= 1, got ", b);
+  check_tensor(a.cu_q, "cu_q", DType::kI32, dev, {b + 1});
+  check_tensor(a.cu_kv, "cu_kv", DType::kI32, dev, {b + 1});
+  DSAKIT_CHECK_ARG(a.cu_q_host && a.cu_kv_host, "dense_mha: host copies of cu_q/cu_kv required");
+  DSAKIT_CHECK_ARG(a.cu_q_host[0] == 0 && a.cu_kv_host[0] == 0, "cu_q[0], cu_kv[0]: expected 0");
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t e = a.cu_q_host[r + 1] - a.cu_q_host[r];
+    const int64_t l = a.cu_kv_host[r + 1] - a.cu_kv_host[r];
+    DSAKIT_CHECK_ARG(e >= 0 && l >= e, "request ", r, ": expected 0 <= extend (", e,
+                     ") <= kv length (", l, ")");
+  }
+  DSAKIT_CHECK_ARG(a.cu_q_host[b] == t, "cu_q[", b, "] = ", a.cu_q_host[b],
+                   ": expected the number of query tokens ", t);
+  DSAKIT_CHECK_ARG(a.cu_kv_host[b] == n, "cu_kv[", b, "] = ", a.cu_kv_host[b],
+                   ": expected the number of kv rows ", n);
+  check_tensor(a.o, "o", kFloat, dev, {t, h, dv});
+  check_tensor(a.lse, "lse", DType::kF32, dev, {t, h});
+  DSAKIT_CHECK_ARG(a.sm_scale > 0 && a.sm_scale < 1e6, "sm_scale: expected a positive finite value, got ",
+                   a.sm_scale);
+}
+
+void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
+                    const TensorView& lse, Device dev) {
+  check_tensor(o_parts, "o_parts", DType::kF32, dev, {-1, -1, -1, -1});
+  const int64_t w = o_parts.shape[0], t = o_parts.shape[1], h = o_parts.shape[2],
+                d = o_parts.shape[3];
+  DSAKIT_CHECK_ARG(w >= 1, "o_parts: expected at least one part");
+  check_tensor(lse_parts, "lse_parts", DType::kF32, dev, {w, t, h});
+  check_tensor(o, "o", kFloat, dev, {t, h, d});
+  check_tensor(lse, "lse", DType::kF32, dev, {t, h});
+}
+
+}  // namespace dsakit::validate

@@ -1,0 +1,40 @@
+// Argument validation shared by every backend (DESIGN.md §8). Each function checks shapes,
+// dtypes, devices and contiguity of one Backend op's arguments and throws Error naming the
+// argument; value checks (location ranges, distinctness) read host copies of index tensors,
+// passed by the backend (nullptr skips them, for ops whose kernels bound-check instead).
+#pragma once
+
+#include <cstdint>
+
+#include "dsakit/backend.h"
+
+namespace dsakit::validate {
+
+void store_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+              const TensorView& k_pe, Device dev, const int32_t* host_locs);
+void gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+               const TensorView& k_pe, Device dev, const int32_t* host_locs);
+void store_index_keys(const IndexKeyPool& pool, const TensorView& locs, const TensorView& idx_k,
+                      Device dev, const int32_t* host_locs);
+void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const TensorView& q8,
+                        const TensorView& gate, Device dev);
+// Checks shapes and that every kv_locs entry the rows can reach is in range; host_* may be
+// nullptr to skip value checks. Returns max ctx_len over the rows (0 if unknown).
+int64_t indexer_args(const IndexerArgs& a, Device dev, const int32_t* host_kv_locs,
+                     const int32_t* host_kv_start, const int32_t* host_ctx_len);
+void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
+                        const TensorView& logits, int64_t max_ctx, Device dev);
+void topk(const TensorView& logits, const TensorView& ctx_len, int k, const TensorView& out,
+          Device dev, const int32_t* host_ctx_len);
+void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
+              const TensorView& q_abs, Device dev);
+void up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
+               const TensorView& o, Device dev);
+void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const TensorView& k_nope,
+                const TensorView& v, Device dev);
+void sparse_mla(const SparseMlaArgs& a, Device dev);
+void dense_mha(const DenseMhaArgs& a, Device dev);
+void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
+                    const TensorView& lse, Device dev);
+
+}  // namespace dsakit::validate

@@ -1,0 +1,165 @@
+// The CPU backend: validates each op's arguments (src/core/validate.h), then runs the CPU
+// kernel (src/cpu/kernels.h). Host memory only.
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "dsakit/backend.h"
+#include "dsakit/error.h"
+#include "src/core/validate.h"
+#include "src/cpu/kernels.h"
+
+namespace dsakit {
+namespace {
+
+const int32_t* host_i32(const TensorView& t) { return t.ptr<const int32_t>(); }
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int threads) {
+    ctx_.threads = threads > 0 ? threads : omp_get_max_threads();
+    caps_.device = Device::kCpu;
+    caps_.device_name = "cpu (" + std::to_string(ctx_.threads) + " threads)";
+    caps_.sm_arch = 0;
+    caps_.dense_mha = true;
+    caps_.intermediate_dtype = DType::kF32;
+  }
+
+  const Capabilities& capabilities() const override { return caps_; }
+
+  Tensor empty(DType dtype, const std::vector<int64_t>& shape) override {
+    return Tensor::host(dtype, shape);
+  }
+
+  void copy(const TensorView& dst, const TensorView& src) override {
+    DSAKIT_CHECK_ARG(dst.device == Device::kCpu && src.device == Device::kCpu,
+                     "cpu backend copy: both tensors must be host tensors");
+    DSAKIT_CHECK_ARG(dst.dtype == src.dtype && dst.numel() == src.numel(),
+                     "copy: dst ", to_string(dst.dtype), dst.shape_str(), " vs src ",
+                     to_string(src.dtype), src.shape_str());
+    DSAKIT_CHECK_ARG(dst.is_contiguous() && src.is_contiguous(), "copy: tensors must be contiguous");
+    if (dst.nbytes()) std::memmove(dst.data, src.data, dst.nbytes());
+  }
+
+  void fill_bytes(const TensorView& dst, uint8_t byte) override {
+    DSAKIT_CHECK_ARG(dst.device == Device::kCpu && dst.is_contiguous(),
+                     "fill_bytes: expected a contiguous host tensor");
+    if (dst.nbytes()) std::memset(dst.data, byte, dst.nbytes());
+  }
+
+  void poison(const TensorView& dst) override {
+    DSAKIT_CHECK_ARG(dst.device == Device::kCpu && dst.is_contiguous(),
+                     "poison: expected a contiguous host tensor");
+    const int64_t n = dst.numel();
+    switch (dst.dtype) {
+      case DType::kF32:
+        std::fill_n(dst.ptr<float>(), n, std::numeric_limits<float>::quiet_NaN());
+        break;
+      case DType::kF64:
+        std::fill_n(dst.ptr<double>(), n, std::numeric_limits<double>::quiet_NaN());
+        break;
+      case DType::kBF16: std::fill_n(dst.ptr<bf16_t>(), n, bf16_t{0x7FC0}); break;
+      default: fill_bytes(dst, 0xFF); break;
+    }
+  }
+
+  void synchronize() override {}
+
+  void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                const TensorView& k_pe) override {
+    validate::store_kv(pool, locs, c_kv, k_pe, Device::kCpu, host_i32(locs));
+    cpu::store_kv(ctx_, pool, locs, c_kv, k_pe);
+  }
+  void gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                 const TensorView& k_pe) override {
+    validate::gather_kv(pool, locs, c_kv, k_pe, Device::kCpu, host_i32(locs));
+    cpu::gather_kv(ctx_, pool, locs, c_kv, k_pe);
+  }
+  void store_index_keys(IndexKeyPool& pool, const TensorView& locs,
+                        const TensorView& idx_k) override {
+    validate::store_index_keys(pool, locs, idx_k, Device::kCpu, host_i32(locs));
+    cpu::store_index_keys(ctx_, pool, locs, idx_k);
+  }
+
+  void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const TensorView& q8,
+                          const TensorView& gate) override {
+    validate::indexer_quantize_q(idx_q, idx_w, q8, gate, Device::kCpu);
+    cpu::indexer_quantize_q(ctx_, idx_q, idx_w, q8, gate);
+  }
+  void indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
+                      const TensorView& logits) override {
+    const int64_t max_ctx = validate::indexer_args(a, Device::kCpu, host_i32(a.kv_locs),
+                                                   host_i32(a.kv_start), host_i32(a.ctx_len));
+    int64_t rows_max = 0;
+    for (int64_t t = row_begin; t < row_end && t < a.ctx_len.numel(); ++t)
+      rows_max = std::max<int64_t>(rows_max, host_i32(a.ctx_len)[t]);
+    (void)max_ctx;
+    validate::indexer_logits_out(a, row_begin, row_end, logits, rows_max, Device::kCpu);
+    cpu::indexer_logits(ctx_, a, row_begin, row_end, logits);
+  }
+  void topk(const TensorView& logits, const TensorView& ctx_len, int k,
+            const TensorView& out) override {
+    validate::topk(logits, ctx_len, k, out, Device::kCpu, host_i32(ctx_len));
+    cpu::topk(ctx_, logits, ctx_len, k, out);
+  }
+  void indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
+                    int k, const TensorView& out) override {
+    DSAKIT_CHECK_ARG(k >= 1, "indexer_topk k: expected >= 1, got ", k);
+    check_tensor(idx_q, "idx_q", DType::kBF16, Device::kCpu, {-1, -1, -1});
+    const int64_t t = idx_q.shape[0];
+    check_tensor(idx_w, "idx_w", DType::kF32, Device::kCpu, {t, idx_q.shape[1]});
+    check_tensor(out, "topk out", DType::kI32, Device::kCpu, {t, k});
+    IndexerArgs shape_only = layout;
+    shape_only.q8 = make_view(nullptr, DType::kU8, Device::kCpu,
+                              {t, idx_q.shape[1], idx_q.shape[2]});
+    shape_only.q8.data = idx_q.data;  // only its shape is checked here
+    shape_only.gate = idx_w;
+    validate::indexer_args(shape_only, Device::kCpu, host_i32(layout.kv_locs),
+                           host_i32(layout.kv_start), host_i32(layout.ctx_len));
+    cpu::indexer_topk(ctx_, idx_q, idx_w, layout, k, out);
+  }
+
+  void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
+                const TensorView& q_abs) override {
+    validate::absorb_q(q_nope, kv_b_proj, d_v, q_abs, Device::kCpu);
+    cpu::absorb_q(ctx_, q_nope, kv_b_proj, d_v, q_abs);
+  }
+  void up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
+                 const TensorView& o) override {
+    validate::up_proj_v(o_lat, kv_b_proj, d_nope, o, Device::kCpu);
+    cpu::up_proj_v(ctx_, o_lat, kv_b_proj, d_nope, o);
+  }
+  void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const TensorView& k_nope,
+                  const TensorView& v) override {
+    validate::up_proj_kv(c_kv, kv_b_proj, k_nope, v, Device::kCpu);
+    cpu::up_proj_kv(ctx_, c_kv, kv_b_proj, k_nope, v);
+  }
+
+  void sparse_mla(const SparseMlaArgs& a) override {
+    validate::sparse_mla(a, Device::kCpu);
+    cpu::sparse_mla(ctx_, a);
+  }
+  void dense_mha(const DenseMhaArgs& a) override {
+    validate::dense_mha(a, Device::kCpu);
+    cpu::dense_mha(ctx_, a);
+  }
+  void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
+                      const TensorView& lse) override {
+    validate::merge_partials(o_parts, lse_parts, o, lse, Device::kCpu);
+    cpu::merge_partials(ctx_, o_parts, lse_parts, o, lse);
+  }
+
+ private:
+  cpu::CpuContext ctx_;
+  Capabilities caps_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int threads) {
+  return std::make_unique<CpuBackend>(threads);
+}
+
+}  // namespace dsakit

@@ -1,0 +1,2 @@
+// PLACEHOLDER: the float64 reference is being written.
+namespace dsakit::reference {}

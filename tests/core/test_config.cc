@@ -1,0 +1,2 @@
+// PLACEHOLDER: tests are being written.
+#include "tests/common/test_util.h"
