@@ -16,49 +16,54 @@ namespace dsakit {
 
 struct Capabilities {
   Device device = Device::kCpu;
-  std::string device_name;          // "cpu (2 threads)", "NVIDIA H200"
-  int sm_arch = 0;                  // 90 for sm_90; 0 on the CPU
-  bool dense_mha = false;           // a dense MHA path exists for this device
+  std::string device_name;                 // "cpu (2 threads)", "NVIDIA H200"
+  int sm_arch = 0;                         // 90 for sm_90; 0 on the CPU
+  bool dense_mha = false;                  // a dense MHA path exists for this device
   DType intermediate_dtype = DType::kF32;  // q_abs, o_lat, up-projected K/V
 };
 
 // Indexer (DESIGN.md §3.2) over the index-key pool. Scores of token t cover positions
 // 0 … ctx_len[t]-1 of its request, whose locations are kv_locs[kv_start[t] + p].
 struct IndexerArgs {
-  TensorView q8;         // u8  [T, H_i, d_i]  e4m3 bytes of idx_q / s_q
-  TensorView gate;       // f32 [T, H_i]       idx_w · H_i^-0.5 · d_i^-0.5 · s_q
+  TensorView q8;    // u8  [T, H_i, d_i]  e4m3 bytes of idx_q / s_q
+  TensorView gate;  // f32 [T, H_i]       idx_w · H_i^-0.5 · d_i^-0.5 · s_q
   const IndexKeyPool* keys = nullptr;
-  TensorView kv_locs;    // i32 [N_kv]
-  TensorView kv_start;   // i32 [T]
-  TensorView ctx_len;    // i32 [T]
+  TensorView kv_locs;   // i32 [N_kv]
+  TensorView kv_start;  // i32 [T]
+  TensorView ctx_len;   // i32 [T]
 };
 
 struct SparseMlaArgs {
-  TensorView q_abs;        // [T, H, d_c]   bf16 | f32 (absorbed no-position query)
-  TensorView q_pe;         // [T, H, d_rope] bf16 | f32
+  TensorView q_abs;  // [T, H, d_c]   bf16 | f32 (absorbed no-position query)
+  TensorView q_pe;   // [T, H, d_rope] bf16 | f32
   const PagedKvPool* kv = nullptr;
   TensorView indices;      // i32 [T, k] pool locations; < 0 or >= num_locations: skipped
   TensorView topk_length;  // optional i32 [T]: token t reads only slots [0, topk_length[t])
   double sm_scale = 0;
-  TensorView o_lat;        // out [T, H, d_c] bf16 | f32
-  TensorView lse;          // out f32 [T, H], natural log; +inf for a query with no valid slot
+  TensorView o_lat;  // out [T, H, d_c] bf16 | f32
+  TensorView lse;    // out f32 [T, H], natural log; +inf for a query with no valid slot
 };
 
 struct DenseMhaArgs {
-  TensorView q_nope;   // [T, H, d_nope] bf16 | f32
-  TensorView q_pe;     // [T, H, d_rope] bf16 | f32
-  TensorView k_nope;   // [N, H, d_nope] bf16 | f32 (up-projected from the pool)
-  TensorView k_pe;     // [N, d_rope]    bf16 | f32 (shared by all heads)
-  TensorView v;        // [N, H, d_v]    bf16 | f32
-  TensorView cu_q;     // i32 [B+1]
-  TensorView cu_kv;    // i32 [B+1]; query i of request r sees kv rows [0, L_r - E_r + i]
+  TensorView q_nope;  // [T, H, d_nope] bf16 | f32
+  TensorView q_pe;    // [T, H, d_rope] bf16 | f32
+  TensorView k_nope;  // [N, H, d_nope] bf16 | f32 (up-projected from the pool)
+  TensorView k_pe;    // [N, d_rope]    bf16 | f32 (shared by all heads)
+  TensorView v;       // [N, H, d_v]    bf16 | f32
+  TensorView cu_q;    // i32 [B+1]
+  TensorView cu_kv;   // i32 [B+1]; query i of request r sees kv rows [0, L_r - E_r + i]
+  // Optional i32 [T]: query t sees the first kv_visible[t] kv rows of its request instead
+  // (non-decreasing within a request, <= L_r; context-parallel shards). ndim == 0: the causal
+  // default. kv_visible_host is its host copy (required when kv_visible is set).
+  TensorView kv_visible;
+  const int32_t* kv_visible_host = nullptr;
   // Host copies of cu_q / cu_kv (always host memory), for scheduling without a device read.
   const int32_t* cu_q_host = nullptr;
   const int32_t* cu_kv_host = nullptr;
   int num_requests = 0;
   double sm_scale = 0;
-  TensorView o;        // out [T, H, d_v] bf16 | f32
-  TensorView lse;      // out f32 [T, H]
+  TensorView o;    // out [T, H, d_v] bf16 | f32
+  TensorView lse;  // out f32 [T, H]
 };
 
 class Backend {
@@ -76,9 +81,9 @@ class Backend {
   virtual void poison(const TensorView& dst) = 0;
   virtual void synchronize() = 0;
 
-  PagedKvPool make_kv_pool(const KvPoolDesc& desc);       // zero-filled
+  PagedKvPool make_kv_pool(const KvPoolDesc& desc);  // zero-filled
   IndexKeyPool make_index_pool(const IndexKeyPoolDesc& desc);
-  Tensor to_device(const TensorView& host);                // copy of a host tensor
+  Tensor to_device(const TensorView& host);  // copy of a host tensor
   Tensor to_host(const TensorView& t);
 
   // ---- pool ---------------------------------------------------------------------------
@@ -133,6 +138,13 @@ class Backend {
   // A part with lse = +inf (no valid key) contributes nothing.
   virtual void merge_partials(const TensorView& o_parts, const TensorView& lse_parts,
                               const TensorView& o, const TensorView& lse) = 0;
+
+  // ---- index plumbing -----------------------------------------------------------------
+  // Top-k positions -> pool locations: out[t, j] = kv_locs[kv_start[t] + pos] for a valid
+  // pos = positions[t, j] in [0, ctx_len[t]), else -1. positions/out: i32 [T, k].
+  virtual void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
+                                      const TensorView& kv_start, const TensorView& ctx_len,
+                                      const TensorView& out);
 };
 
 // The CPU backend (always built). threads <= 0: OpenMP's default.

@@ -25,9 +25,9 @@ struct Batch {
   bool shared_prefix_pages = false;
 
   // Engine state the dispatcher reads (DESIGN.md §5).
-  bool cuda_graph = false;               // capturing or replaying a CUDA graph
-  bool speculative = false;              // extend with speculative decoding
-  bool context_parallel = false;         // prefill context parallelism on
+  bool cuda_graph = false;                 // capturing or replaying a CUDA graph
+  bool speculative = false;                // extend with speculative decoding
+  bool context_parallel = false;           // prefill context parallelism on
   bool hierarchical_sparse_cache = false;  // host-offloaded sparse KV attached
 
   int num_requests() const { return int(prefix_lens.size()); }

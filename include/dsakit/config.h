@@ -13,18 +13,18 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string name;              // preset name or the config file's model_type
-  int num_heads = 0;             // H: attention heads on this rank (after --tp)
-  int num_heads_total = 0;       // H before tensor-parallel sharding
+  std::string name;         // preset name or the config file's model_type
+  int num_heads = 0;        // H: attention heads on this rank (after --tp)
+  int num_heads_total = 0;  // H before tensor-parallel sharding
   int tp_size = 1;
-  int kv_lora_rank = 0;          // d_c (512)
-  int qk_nope_head_dim = 0;      // d_nope
-  int qk_rope_head_dim = 0;      // d_rope (64)
-  int v_head_dim = 0;            // d_v
+  int kv_lora_rank = 0;      // d_c (512)
+  int qk_nope_head_dim = 0;  // d_nope
+  int qk_rope_head_dim = 0;  // d_rope (64)
+  int v_head_dim = 0;        // d_v
   int q_lora_rank = 0;
-  int index_n_heads = 0;         // H_i (replicated, never sharded)
-  int index_head_dim = 0;        // d_i
-  int index_topk = 0;            // k
+  int index_n_heads = 0;   // H_i (replicated, never sharded)
+  int index_head_dim = 0;  // d_i
+  int index_topk = 0;      // k
   int hidden_size = 0;
   RopeScaling rope;
 

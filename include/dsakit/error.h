@@ -43,11 +43,11 @@ std::string concat(Args&&... args) {
 
 // Throws Error(kind, concat(args...)) when cond is false. Usage:
 //   DSAKIT_CHECK(n >= 0, kInvalidArgument, "num_tokens: expected >= 0, got ", n);
-#define DSAKIT_CHECK(cond, kind, ...)                                                \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
+#define DSAKIT_CHECK(cond, kind, ...)                                                          \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
       throw ::dsakit::Error(::dsakit::ErrorKind::kind, ::dsakit::detail::concat(__VA_ARGS__)); \
-    }                                                                                \
+    }                                                                                          \
   } while (0)
 
 #define DSAKIT_CHECK_ARG(cond, ...) DSAKIT_CHECK(cond, kInvalidArgument, __VA_ARGS__)

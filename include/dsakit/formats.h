@@ -44,7 +44,9 @@ DSAKIT_HD float f32_from_bits(uint32_t u) {
 #endif
 }
 
-DSAKIT_HD float bf16_to_f32(bf16_t v) { return f32_from_bits(uint32_t(v.bits) << 16); }
+DSAKIT_HD float bf16_to_f32(bf16_t v) {
+  return f32_from_bits(uint32_t(v.bits) << 16);
+}
 
 DSAKIT_HD bf16_t f32_to_bf16(float x) {
   uint32_t u = f32_bits(x);
@@ -54,7 +56,9 @@ DSAKIT_HD bf16_t f32_to_bf16(float x) {
 }
 
 // Round to bf16 and back: the value a bf16 tensor would hold.
-DSAKIT_HD float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+DSAKIT_HD float round_bf16(float x) {
+  return bf16_to_f32(f32_to_bf16(x));
+}
 
 inline constexpr float kE4m3Max = 448.0f;
 
@@ -76,19 +80,19 @@ DSAKIT_HD uint8_t f32_to_e4m3(float x) {
   const uint32_t u = f32_bits(x);
   const uint8_t sign = uint8_t((u >> 24) & 0x80u);
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return uint8_t(sign | 0x7Fu);        // NaN
-  if (a >= 0x43E00000u) return uint8_t(sign | 0x7Eu);       // |x| >= 448 (incl. inf): saturate
-  if (a < 0x3C800000u) {                                    // |x| < 2^-6: subnormal range
-    const float t = f32_from_bits(a) * 512.0f;              // exact: multiply by a power of two
+  if (a > 0x7F800000u) return uint8_t(sign | 0x7Fu);   // NaN
+  if (a >= 0x43E00000u) return uint8_t(sign | 0x7Eu);  // |x| >= 448 (incl. inf): saturate
+  if (a < 0x3C800000u) {                               // |x| < 2^-6: subnormal range
+    const float t = f32_from_bits(a) * 512.0f;         // exact: multiply by a power of two
     uint32_t m = uint32_t(t);
     const float frac = t - float(m);
-    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;     // m == 8 becomes the smallest normal
+    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;  // m == 8 becomes the smallest normal
     return uint8_t(sign | m);
   }
-  uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);             // round mantissa to 3 bits, RNE
-  r >>= 20;                                                 // (exp8 << 3) | man3, fp32 bias
-  r -= (127u - 7u) << 3;                                    // rebias to 7
-  if (r > 0x7Eu) r = 0x7Eu;                                 // 448 <= rounded: saturate
+  uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);  // round mantissa to 3 bits, RNE
+  r >>= 20;                                      // (exp8 << 3) | man3, fp32 bias
+  r -= (127u - 7u) << 3;                         // rebias to 7
+  if (r > 0x7Eu) r = 0x7Eu;                      // 448 <= rounded: saturate
   return uint8_t(sign | r);
 }
 
@@ -117,6 +121,8 @@ DSAKIT_HD float indexer_fp8_scale(float amax) {
 }
 
 // Stored byte = e4m3(x / s), division in fp32 (inputs clamped by f32_to_e4m3's saturation).
-DSAKIT_HD uint8_t quantize_e4m3(float x, float s) { return f32_to_e4m3(x / s); }
+DSAKIT_HD uint8_t quantize_e4m3(float x, float s) {
+  return f32_to_e4m3(x / s);
+}
 
 }  // namespace dsakit

@@ -24,7 +24,7 @@ enum class KvLayout : uint8_t { kBf16, kFp8Scaled, kFp8Raw };
 
 inline constexpr int kFp8TileSize = 128;  // values per fp32 scale in the fp8 (656 B) layout
 
-const char* to_string(KvLayout layout);  // "bf16" | "fp8" | "fp8-raw"
+const char* to_string(KvLayout layout);             // "bf16" | "fp8" | "fp8-raw"
 KvLayout parse_kv_layout(const std::string& name);  // throws naming the accepted names
 const char* to_string(ScalePolicy policy);          // "amax" | "pow2"
 ScalePolicy parse_scale_policy(const std::string& name);
@@ -37,17 +37,20 @@ struct KvRowLayout {
 
   DSAKIT_HD int bytes_per_token() const {
     switch (layout) {
-      case KvLayout::kBf16: return 2 * (d_c + d_rope);
-      case KvLayout::kFp8Scaled: return d_c + 4 * (d_c / kFp8TileSize) + 2 * d_rope;
-      case KvLayout::kFp8Raw: return d_c + d_rope;
+      case KvLayout::kBf16:
+        return 2 * (d_c + d_rope);
+      case KvLayout::kFp8Scaled:
+        return d_c + 4 * (d_c / kFp8TileSize) + 2 * d_rope;
+      case KvLayout::kFp8Raw:
+        return d_c + d_rope;
     }
     return 0;
   }
-  DSAKIT_HD int scales_offset() const { return d_c; }                            // fp8 only
+  DSAKIT_HD int scales_offset() const { return d_c; }  // fp8 only
   DSAKIT_HD int rope_offset() const {
-    return layout == KvLayout::kBf16       ? 2 * d_c
-           : layout == KvLayout::kFp8Raw   ? d_c
-                                           : d_c + 4 * (d_c / kFp8TileSize);
+    return layout == KvLayout::kBf16     ? 2 * d_c
+           : layout == KvLayout::kFp8Raw ? d_c
+                                         : d_c + 4 * (d_c / kFp8TileSize);
   }
 };
 

@@ -20,12 +20,28 @@ size_t dtype_size(DType dtype);
 const char* to_string(DType dtype);
 const char* to_string(Device device);
 
-template <typename T> constexpr DType dtype_of();
-template <> constexpr DType dtype_of<bf16_t>() { return DType::kBF16; }
-template <> constexpr DType dtype_of<float>() { return DType::kF32; }
-template <> constexpr DType dtype_of<double>() { return DType::kF64; }
-template <> constexpr DType dtype_of<int32_t>() { return DType::kI32; }
-template <> constexpr DType dtype_of<uint8_t>() { return DType::kU8; }
+template <typename T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<bf16_t>() {
+  return DType::kBF16;
+}
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::kF32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::kF64;
+}
+template <>
+constexpr DType dtype_of<int32_t>() {
+  return DType::kI32;
+}
+template <>
+constexpr DType dtype_of<uint8_t>() {
+  return DType::kU8;
+}
 
 inline constexpr int kMaxDims = 4;
 
@@ -44,7 +60,10 @@ struct TensorView {
   bool empty() const { return data == nullptr && numel() == 0; }
   std::string shape_str() const;  // "[12, 16, 128]"
 
-  template <typename T> T* ptr() const { return static_cast<T*>(data); }
+  template <typename T>
+  T* ptr() const {
+    return static_cast<T*>(data);
+  }
 };
 
 // A contiguous view over `data`.
@@ -62,7 +81,10 @@ class Tensor {
 
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }
-  template <typename T> T* ptr() const { return view_.ptr<T>(); }
+  template <typename T>
+  T* ptr() const {
+    return view_.ptr<T>();
+  }
   int64_t numel() const { return view_.numel(); }
   size_t nbytes() const { return view_.nbytes(); }
   int64_t size(int d) const { return view_.shape[d]; }

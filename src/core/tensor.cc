@@ -11,27 +11,39 @@ namespace dsakit {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return 2;
-    case DType::kF32: return 4;
-    case DType::kF64: return 8;
-    case DType::kI32: return 4;
-    case DType::kU8: return 1;
+    case DType::kBF16:
+      return 2;
+    case DType::kF32:
+      return 4;
+    case DType::kF64:
+      return 8;
+    case DType::kI32:
+      return 4;
+    case DType::kU8:
+      return 1;
   }
   return 0;
 }
 
 const char* to_string(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "bf16";
-    case DType::kF32: return "f32";
-    case DType::kF64: return "f64";
-    case DType::kI32: return "i32";
-    case DType::kU8: return "u8";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF32:
+      return "f32";
+    case DType::kF64:
+      return "f64";
+    case DType::kI32:
+      return "i32";
+    case DType::kU8:
+      return "u8";
   }
   return "?";
 }
 
-const char* to_string(Device device) { return device == Device::kCpu ? "cpu" : "cuda"; }
+const char* to_string(Device device) {
+  return device == Device::kCpu ? "cpu" : "cuda";
+}
 
 int64_t TensorView::numel() const {
   int64_t n = 1;
@@ -53,17 +65,22 @@ static std::string dims_str(const int64_t* dims, int n) {
   os << '[';
   for (int d = 0; d < n; ++d) {
     if (d) os << ", ";
-    if (dims[d] < 0) os << '*'; else os << dims[d];
+    if (dims[d] < 0)
+      os << '*';
+    else
+      os << dims[d];
   }
   os << ']';
   return os.str();
 }
 
-std::string TensorView::shape_str() const { return dims_str(shape.data(), ndim); }
+std::string TensorView::shape_str() const {
+  return dims_str(shape.data(), ndim);
+}
 
 TensorView make_view(void* data, DType dtype, Device device, const std::vector<int64_t>& shape) {
-  DSAKIT_CHECK_ARG(shape.size() >= 1 && shape.size() <= size_t(kMaxDims),
-                   "tensor rank must be 1..", kMaxDims, ", got ", shape.size());
+  DSAKIT_CHECK_ARG(shape.size() >= 1 && shape.size() <= size_t(kMaxDims), "tensor rank must be 1..",
+                   kMaxDims, ", got ", shape.size());
   TensorView v;
   v.data = data;
   v.dtype = dtype;
@@ -90,8 +107,8 @@ Tensor Tensor::host(DType dtype, const std::vector<int64_t>& shape) {
 
 static void check_shape(const TensorView& t, const char* name, Device device,
                         std::initializer_list<int64_t> shape) {
-  DSAKIT_CHECK_ARG(t.device == device, name, ": expected a ", to_string(device),
-                   " tensor, got a ", to_string(t.device), " tensor");
+  DSAKIT_CHECK_ARG(t.device == device, name, ": expected a ", to_string(device), " tensor, got a ",
+                   to_string(t.device), " tensor");
   const int n = int(shape.size());
   bool ok = t.ndim == n;
   int d = 0;
@@ -128,11 +145,16 @@ void check_tensor(const TensorView& t, const char* name, std::initializer_list<D
 
 float load_as_float(const TensorView& t, int64_t i) {
   switch (t.dtype) {
-    case DType::kBF16: return bf16_to_f32(t.ptr<const bf16_t>()[i]);
-    case DType::kF32: return t.ptr<const float>()[i];
-    case DType::kF64: return float(t.ptr<const double>()[i]);
-    case DType::kI32: return float(t.ptr<const int32_t>()[i]);
-    case DType::kU8: return float(t.ptr<const uint8_t>()[i]);
+    case DType::kBF16:
+      return bf16_to_f32(t.ptr<const bf16_t>()[i]);
+    case DType::kF32:
+      return t.ptr<const float>()[i];
+    case DType::kF64:
+      return float(t.ptr<const double>()[i]);
+    case DType::kI32:
+      return float(t.ptr<const int32_t>()[i]);
+    case DType::kU8:
+      return float(t.ptr<const uint8_t>()[i]);
   }
   return std::numeric_limits<float>::quiet_NaN();
 }

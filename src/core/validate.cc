@@ -102,11 +102,55 @@ void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end
                         const TensorView& logits, int64_t max_ctx, Device dev) {
   const int64_t t = a.q8.shape[0];
   DSAKIT_CHECK_ARG(0 <= row_begin && row_begin <= row_end && row_end <= t,
-                   "indexer_logits rows: expected 0 <= begin <= end <= ", t, ", got [",
-                   row_begin, ", ", row_end, ")");
+                   "indexer_logits rows: expected 0 <= begin <= end <= ", t, ", got [", row_begin,
+                   ", ", row_end, ")");
   check_tensor(logits, "logits", DType::kF32, dev, {row_end - row_begin, -1});
   DSAKIT_CHECK_ARG(logits.shape[1] >= max_ctx, "logits: width ", logits.shape[1],
                    " is smaller than the longest context ", max_ctx);
+}
+
+namespace {
+
+// The key side of the indexer for T tokens: pool on `dev`, kv_locs i32 [N_kv], kv_start and
+// ctx_len i32 [T], every kv_start[t] + ctx_len[t] within kv_locs and every location in the pool.
+int64_t check_index_layout(const IndexerArgs& a, int64_t t, Device dev, const int32_t* host_kv_locs,
+                           const int32_t* host_kv_start, const int32_t* host_ctx_len) {
+  check_tensor(a.kv_locs, "kv_locs", DType::kI32, dev, {-1});
+  check_tensor(a.kv_start, "kv_start", DType::kI32, dev, {t});
+  check_tensor(a.ctx_len, "ctx_len", DType::kI32, dev, {t});
+  const int64_t n_kv = a.kv_locs.shape[0];
+  int64_t max_ctx = 0;
+  if (host_kv_start && host_ctx_len) {
+    for (int64_t i = 0; i < t; ++i) {
+      DSAKIT_CHECK_ARG(host_ctx_len[i] >= 0, "ctx_len[", i, "]: expected >= 0, got ",
+                       host_ctx_len[i]);
+      DSAKIT_CHECK_ARG(host_kv_start[i] >= 0 && int64_t(host_kv_start[i]) + host_ctx_len[i] <= n_kv,
+                       "kv_start[", i, "] + ctx_len[", i, "] = ", host_kv_start[i], " + ",
+                       host_ctx_len[i], ": expected within kv_locs of ", n_kv, " entries");
+      max_ctx = std::max<int64_t>(max_ctx, host_ctx_len[i]);
+    }
+  }
+  check_locs_values(host_kv_locs, host_kv_locs ? n_kv : 0, a.keys->desc().num_locations(),
+                    "kv_locs", false);
+  return max_ctx;
+}
+
+}  // namespace
+
+int64_t indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
+                     int k, const TensorView& out, Device dev, const int32_t* host_kv_locs,
+                     const int32_t* host_kv_start, const int32_t* host_ctx_len) {
+  DSAKIT_CHECK_ARG(k >= 1, "indexer_topk k: expected >= 1, got ", k);
+  DSAKIT_CHECK_ARG(layout.keys != nullptr, "indexer_topk: keys (index-key pool) is null");
+  DSAKIT_CHECK_ARG(layout.keys->device() == dev, "indexer_topk: index-key pool lives on ",
+                   to_string(layout.keys->device()), ", backend on ", to_string(dev));
+  check_tensor(idx_q, "idx_q", DType::kBF16, dev, {-1, -1, layout.keys->desc().d_i});
+  const int64_t t = idx_q.shape[0], h = idx_q.shape[1];
+  DSAKIT_CHECK_ARG(h >= 1, "idx_q: expected at least one indexer head, got shape ",
+                   idx_q.shape_str());
+  check_tensor(idx_w, "idx_w", DType::kF32, dev, {t, h});
+  check_tensor(out, "out", DType::kI32, dev, {t, k});
+  return check_index_layout(layout, t, dev, host_kv_locs, host_kv_start, host_ctx_len);
 }
 
 void topk(const TensorView& logits, const TensorView& ctx_len, int k, const TensorView& out,
@@ -122,8 +166,8 @@ void topk(const TensorView& logits, const TensorView& ctx_len, int k, const Tens
                        "]: expected in [0, ", width, "], got ", host_ctx_len[i]);
 }
 
-static void check_kv_b_proj(const TensorView& w, Device dev, int64_t h, int64_t d_nope,
-                            int64_t d_v, int64_t d_c) {
+static void check_kv_b_proj(const TensorView& w, Device dev, int64_t h, int64_t d_nope, int64_t d_v,
+                            int64_t d_c) {
   check_tensor(w, "kv_b_proj", DType::kBF16, dev, {h * (d_nope + d_v), d_c});
 }
 
@@ -168,8 +212,8 @@ void sparse_mla(const SparseMlaArgs& a, Device dev) {
   if (a.topk_length.ndim != 0) check_tensor(a.topk_length, "topk_length", DType::kI32, dev, {t});
   check_tensor(a.o_lat, "o_lat", kFloat, dev, {t, h, d.d_c});
   check_tensor(a.lse, "lse", DType::kF32, dev, {t, h});
-  DSAKIT_CHECK_ARG(a.sm_scale > 0 && a.sm_scale < 1e6, "sm_scale: expected a positive finite value, got ",
-                   a.sm_scale);
+  DSAKIT_CHECK_ARG(a.sm_scale > 0 && a.sm_scale < 1e6,
+                   "sm_scale: expected a positive finite value, got ", a.sm_scale);
 }
 
 void dense_mha(const DenseMhaArgs& a, Device dev) {
@@ -188,11 +232,24 @@ void dense_mha(const DenseMhaArgs& a, Device dev) {
   check_tensor(a.cu_kv, "cu_kv", DType::kI32, dev, {b + 1});
   DSAKIT_CHECK_ARG(a.cu_q_host && a.cu_kv_host, "dense_mha: host copies of cu_q/cu_kv required");
   DSAKIT_CHECK_ARG(a.cu_q_host[0] == 0 && a.cu_kv_host[0] == 0, "cu_q[0], cu_kv[0]: expected 0");
+  const bool custom = a.kv_visible.ndim != 0;
+  if (custom) {
+    check_tensor(a.kv_visible, "kv_visible", DType::kI32, dev, {t});
+    DSAKIT_CHECK_ARG(a.kv_visible_host != nullptr, "dense_mha: kv_visible needs its host copy");
+  }
   for (int64_t r = 0; r < b; ++r) {
-    const int64_t e = a.cu_q_host[r + 1] - a.cu_q_host[r];
+    const int64_t q0 = a.cu_q_host[r], e = a.cu_q_host[r + 1] - q0;
     const int64_t l = a.cu_kv_host[r + 1] - a.cu_kv_host[r];
-    DSAKIT_CHECK_ARG(e >= 0 && l >= e, "request ", r, ": expected 0 <= extend (", e,
-                     ") <= kv length (", l, ")");
+    DSAKIT_CHECK_ARG(e >= 0 && l >= 0 && (custom || l >= e), "request ", r,
+                     ": expected 0 <= extend (", e, ") <= kv length (", l, ")");
+    DSAKIT_CHECK_ARG(a.cu_q_host[r + 1] <= t, "cu_q[", r + 1, "] = ", a.cu_q_host[r + 1],
+                     ": exceeds the number of query tokens ", t);
+    for (int64_t i = 0; custom && i < e; ++i) {
+      const int32_t v = a.kv_visible_host[q0 + i];
+      DSAKIT_CHECK_ARG(v >= 0 && v <= l && (i == 0 || v >= a.kv_visible_host[q0 + i - 1]),
+                       "kv_visible[", q0 + i, "] = ", v,
+                       ": expected non-decreasing within request ", r, " and in [0, ", l, "]");
+    }
   }
   DSAKIT_CHECK_ARG(a.cu_q_host[b] == t, "cu_q[", b, "] = ", a.cu_q_host[b],
                    ": expected the number of query tokens ", t);
@@ -200,8 +257,27 @@ void dense_mha(const DenseMhaArgs& a, Device dev) {
                    ": expected the number of kv rows ", n);
   check_tensor(a.o, "o", kFloat, dev, {t, h, dv});
   check_tensor(a.lse, "lse", DType::kF32, dev, {t, h});
-  DSAKIT_CHECK_ARG(a.sm_scale > 0 && a.sm_scale < 1e6, "sm_scale: expected a positive finite value, got ",
-                   a.sm_scale);
+  DSAKIT_CHECK_ARG(a.sm_scale > 0 && a.sm_scale < 1e6,
+                   "sm_scale: expected a positive finite value, got ", a.sm_scale);
+}
+
+void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
+                            const TensorView& kv_start, const TensorView& ctx_len,
+                            const TensorView& out, Device dev, const int32_t* host_kv_start,
+                            const int32_t* host_ctx_len) {
+  check_tensor(positions, "positions", DType::kI32, dev, {-1, -1});
+  const int64_t t = positions.shape[0], k = positions.shape[1];
+  check_tensor(kv_locs, "kv_locs", DType::kI32, dev, {-1});
+  check_tensor(kv_start, "kv_start", DType::kI32, dev, {t});
+  check_tensor(ctx_len, "ctx_len", DType::kI32, dev, {t});
+  check_tensor(out, "locations out", DType::kI32, dev, {t, k});
+  if (!host_kv_start || !host_ctx_len) return;
+  for (int64_t i = 0; i < t; ++i)
+    DSAKIT_CHECK_ARG(host_kv_start[i] >= 0 && host_ctx_len[i] >= 0 &&
+                         int64_t(host_kv_start[i]) + host_ctx_len[i] <= kv_locs.shape[0],
+                     "kv_start[", i, "] + ctx_len[", i, "] = ", host_kv_start[i], " + ",
+                     host_ctx_len[i], ": expected within kv_locs of ", kv_locs.shape[0],
+                     " entries");
 }
 
 void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,

@@ -24,6 +24,12 @@ int64_t indexer_args(const IndexerArgs& a, Device dev, const int32_t* host_kv_lo
                      const int32_t* host_kv_start, const int32_t* host_ctx_len);
 void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
                         const TensorView& logits, int64_t max_ctx, Device dev);
+// The whole indexer: k >= 1, idx_q bf16 [T, H_i, d_i] (H_i >= 1, d_i of the index-key pool),
+// idx_w f32 [T, H_i], out i32 [T, k], and the layout's pool, kv_locs, kv_start and ctx_len as
+// in indexer_args (its q8 and gate are not read). host_* as above. Returns max ctx_len.
+int64_t indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
+                     int k, const TensorView& out, Device dev, const int32_t* host_kv_locs,
+                     const int32_t* host_kv_start, const int32_t* host_ctx_len);
 void topk(const TensorView& logits, const TensorView& ctx_len, int k, const TensorView& out,
           Device dev, const int32_t* host_ctx_len);
 void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
@@ -34,6 +40,11 @@ void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const Tenso
                 const TensorView& v, Device dev);
 void sparse_mla(const SparseMlaArgs& a, Device dev);
 void dense_mha(const DenseMhaArgs& a, Device dev);
+// host_*: host copies (nullptr skips value checks). Checks kv_start[t] + ctx_len[t] <= N_kv.
+void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
+                            const TensorView& kv_start, const TensorView& ctx_len,
+                            const TensorView& out, Device dev, const int32_t* host_kv_start,
+                            const int32_t* host_ctx_len);
 void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
                     const TensorView& lse, Device dev);
 

@@ -106,17 +106,7 @@ class CpuBackend final : public Backend {
   }
   void indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
                     int k, const TensorView& out) override {
-    DSAKIT_CHECK_ARG(k >= 1, "indexer_topk k: expected >= 1, got ", k);
-    check_tensor(idx_q, "idx_q", DType::kBF16, Device::kCpu, {-1, -1, -1});
-    const int64_t t = idx_q.shape[0];
-    check_tensor(idx_w, "idx_w", DType::kF32, Device::kCpu, {t, idx_q.shape[1]});
-    check_tensor(out, "topk out", DType::kI32, Device::kCpu, {t, k});
-    IndexerArgs shape_only = layout;
-    shape_only.q8 = make_view(nullptr, DType::kU8, Device::kCpu,
-                              {t, idx_q.shape[1], idx_q.shape[2]});
-    shape_only.q8.data = idx_q.data;  // only its shape is checked here
-    shape_only.gate = idx_w;
-    validate::indexer_args(shape_only, Device::kCpu, host_i32(layout.kv_locs),
+    validate::indexer_topk(idx_q, idx_w, layout, k, out, Device::kCpu, host_i32(layout.kv_locs),
                            host_i32(layout.kv_start), host_i32(layout.ctx_len));
     cpu::indexer_topk(ctx_, idx_q, idx_w, layout, k, out);
   }
@@ -149,6 +139,24 @@ class CpuBackend final : public Backend {
                       const TensorView& lse) override {
     validate::merge_partials(o_parts, lse_parts, o, lse, Device::kCpu);
     cpu::merge_partials(ctx_, o_parts, lse_parts, o, lse);
+  }
+
+  void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
+                              const TensorView& kv_start, const TensorView& ctx_len,
+                              const TensorView& out) override {
+    validate::positions_to_locations(positions, kv_locs, kv_start, ctx_len, out, Device::kCpu,
+                                     host_i32(kv_start), host_i32(ctx_len));
+    const int64_t t = positions.shape[0], k = positions.shape[1];
+    const int32_t* pos = host_i32(positions);
+    const int32_t* locs = host_i32(kv_locs);
+    int32_t* dst = out.ptr<int32_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      const int32_t start = host_i32(kv_start)[i], len = host_i32(ctx_len)[i];
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t p = pos[i * k + j];
+        dst[i * k + j] = (p >= 0 && p < len) ? locs[start + p] : -1;
+      }
+    }
   }
 
  private:

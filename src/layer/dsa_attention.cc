@@ -1,1 +1,166 @@
-namespace dsakit {}
+// The layer call: validate -> store -> plan -> dense MHA or sparse MLA -> outputs.
+#include <chrono>
+#include <functional>
+
+#include "dsakit/error.h"
+#include "dsakit/layer.h"
+
+namespace dsakit {
+
+namespace {
+
+TensorView host_view(const std::vector<int32_t>& v) {
+  return make_view(const_cast<int32_t*>(v.data()), DType::kI32, Device::kCpu, {int64_t(v.size())});
+}
+
+}  // namespace
+
+DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv_pool,
+                           IndexKeyPool& index_pool, TensorView kv_b_proj, LayerOptions options)
+    : config_(std::move(config)),
+      backend_(backend),
+      kv_pool_(kv_pool),
+      index_pool_(index_pool),
+      kv_b_proj_(kv_b_proj),
+      options_(std::move(options)) {
+  config_.validate();
+  const Device dev = backend_.device();
+  DSAKIT_CHECK_ARG(kv_pool_.device() == dev, "kv pool lives on ", to_string(kv_pool_.device()),
+                   ", backend on ", to_string(dev));
+  DSAKIT_CHECK_ARG(index_pool_.device() == dev, "index pool lives on ",
+                   to_string(index_pool_.device()), ", backend on ", to_string(dev));
+  const auto& kd = kv_pool_.desc();
+  DSAKIT_CHECK_ARG(kd.d_c == config_.kv_lora_rank && kd.d_rope == config_.qk_rope_head_dim,
+                   "kv pool dims d_c=", kd.d_c, ", d_rope=", kd.d_rope,
+                   " do not match the model's kv_lora_rank=", config_.kv_lora_rank,
+                   ", qk_rope_head_dim=", config_.qk_rope_head_dim);
+  DSAKIT_CHECK_ARG(index_pool_.desc().d_i == config_.index_head_dim,
+                   "index pool d_i=", index_pool_.desc().d_i,
+                   " does not match index_head_dim=", config_.index_head_dim);
+  DSAKIT_CHECK_ARG(index_pool_.desc().page_size == kd.page_size, "index pool page_size ",
+                   index_pool_.desc().page_size, " differs from kv pool page_size ", kd.page_size);
+  DSAKIT_CHECK_ARG(index_pool_.desc().num_pages >= kd.num_pages, "index pool has ",
+                   index_pool_.desc().num_pages, " pages, fewer than the kv pool's ", kd.num_pages);
+  const int64_t h = config_.num_heads;
+  check_tensor(kv_b_proj_, "kv_b_proj", DType::kBF16, dev,
+               {h * (config_.qk_nope_head_dim + config_.v_head_dim), config_.kv_lora_rank});
+  DSAKIT_CHECK_ARG(options_.output_dtype == DType::kBF16 || options_.output_dtype == DType::kF32,
+                   "output dtype: expected bf16 or f32, got ", to_string(options_.output_dtype));
+  DSAKIT_CHECK_ARG(options_.sm_scale >= 0, "sm_scale: expected > 0 (or 0 for the config's), got ",
+                   options_.sm_scale);
+  sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();
+}
+
+void check_layer_inputs(const ModelConfig& c, Device dev, const LayerInputs& in, int64_t t) {
+  check_tensor(in.q_nope, "q_nope", DType::kBF16, dev, {t, c.num_heads, c.qk_nope_head_dim});
+  check_tensor(in.q_pe, "q_pe", DType::kBF16, dev, {t, c.num_heads, c.qk_rope_head_dim});
+  check_tensor(in.c_kv, "c_kv", DType::kBF16, dev, {t, c.kv_lora_rank});
+  check_tensor(in.k_pe, "k_pe", DType::kBF16, dev, {t, c.qk_rope_head_dim});
+  check_tensor(in.idx_q, "idx_q", DType::kBF16, dev, {t, c.index_n_heads, c.index_head_dim});
+  check_tensor(in.idx_k, "idx_k", DType::kBF16, dev, {t, c.index_head_dim});
+  check_tensor(in.idx_w, "idx_w", DType::kF32, dev, {t, c.index_n_heads});
+}
+
+Plan DsaAttention::plan(const Batch& batch) const {
+  batch.validate(kv_pool_.desc().page_size, kv_pool_.desc().num_pages);
+  return plan_batch(batch, config_, kv_pool_.layout(), backend_.capabilities(),
+                    options_.policy.with_env());
+}
+
+LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
+  // ---- validation: nothing is written before all of it passes ----------------------------
+  LayerResult res;
+  res.plan = plan(batch);
+  const int64_t t = batch.num_new_tokens();
+  check_layer_inputs(config_, backend_.device(), in, t);
+
+  const auto& c = config_;
+  const int64_t h = c.num_heads;
+  const int page_size = kv_pool_.desc().page_size;
+  const DType mid = backend_.capabilities().intermediate_dtype;
+  Backend& be = backend_;
+
+  auto stage = [&](const char* name, const std::function<void()>& fn) {
+    if (!options_.time_stages) return fn();
+    be.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    be.synchronize();
+    const auto t1 = std::chrono::steady_clock::now();
+    res.stages.push_back({name, std::chrono::duration<double, std::milli>(t1 - t0).count()});
+  };
+
+  res.o = be.empty(options_.output_dtype, {t, h, c.v_head_dim});
+  res.lse = be.empty(DType::kF32, {t, h});
+  if (t == 0) return res;
+
+  const BatchIndex bi = BatchIndex::build(batch, page_size);
+  const Tensor new_locs = be.to_device(host_view(bi.new_locs));
+  const Tensor kv_locs = be.to_device(host_view(bi.kv_locs));
+
+  // ---- store the new tokens ---------------------------------------------------------------
+  stage("store", [&] {
+    be.store_kv(kv_pool_, new_locs, in.c_kv, in.k_pe);
+    be.store_index_keys(index_pool_, new_locs, in.idx_k);
+  });
+
+  const int64_t n = int64_t(bi.kv_locs.size());
+  if (res.plan.path == AttentionPath::kDenseMha) {
+    // ---- dense MHA: re-read every position (prefix included) through the pool format -------
+    Tensor c_all = be.empty(mid, {n, c.kv_lora_rank});
+    Tensor kpe_all = be.empty(mid, {n, c.qk_rope_head_dim});
+    stage("gather", [&] { be.gather_kv(kv_pool_, kv_locs, c_all, kpe_all); });
+    Tensor k_nope = be.empty(mid, {n, h, c.qk_nope_head_dim});
+    Tensor v = be.empty(mid, {n, h, c.v_head_dim});
+    stage("up_proj_kv", [&] { be.up_proj_kv(c_all, kv_b_proj_, k_nope, v); });
+    const Tensor cu_q = be.to_device(host_view(bi.cu_q));
+    const Tensor cu_kv = be.to_device(host_view(bi.cu_kv));
+    DenseMhaArgs a;
+    a.q_nope = in.q_nope;
+    a.q_pe = in.q_pe;
+    a.k_nope = k_nope;
+    a.k_pe = kpe_all;
+    a.v = v;
+    a.cu_q = cu_q;
+    a.cu_kv = cu_kv;
+    a.cu_q_host = bi.cu_q.data();
+    a.cu_kv_host = bi.cu_kv.data();
+    a.num_requests = batch.num_requests();
+    a.sm_scale = sm_scale_;
+    a.o = res.o;
+    a.lse = res.lse;
+    stage("dense_mha", [&] { be.dense_mha(a); });
+    return res;
+  }
+
+  // ---- sparse MLA: indexer -> top-k -> absorbed attention -> V up-projection --------------
+  const int k = c.index_topk;
+  const Tensor kv_start = be.to_device(host_view(bi.token_kv_start));
+  const Tensor ctx_len = be.to_device(host_view(bi.token_ctx_len));
+  IndexerArgs layout;
+  layout.keys = &index_pool_;
+  layout.kv_locs = kv_locs;
+  layout.kv_start = kv_start;
+  layout.ctx_len = ctx_len;
+  res.topk = be.empty(DType::kI32, {t, k});
+  stage("indexer_topk", [&] { be.indexer_topk(in.idx_q, in.idx_w, layout, k, res.topk); });
+  Tensor locs = be.empty(DType::kI32, {t, k});
+  stage("topk_to_locations",
+        [&] { be.positions_to_locations(res.topk, kv_locs, kv_start, ctx_len, locs); });
+  Tensor q_abs = be.empty(mid, {t, h, c.kv_lora_rank});
+  stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj_, c.v_head_dim, q_abs); });
+  Tensor o_lat = be.empty(mid, {t, h, c.kv_lora_rank});
+  SparseMlaArgs a;
+  a.q_abs = q_abs;
+  a.q_pe = in.q_pe;
+  a.kv = &kv_pool_;
+  a.indices = locs;
+  a.sm_scale = sm_scale_;
+  a.o_lat = o_lat;
+  a.lse = res.lse;
+  stage("sparse_mla", [&] { be.sparse_mla(a); });
+  stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj_, c.qk_nope_head_dim, res.o); });
+  return res;
+}
+
+}  // namespace dsakit

@@ -9,10 +9,14 @@ namespace dsakit {
 
 const char* to_string(ForwardMode mode) {
   switch (mode) {
-    case ForwardMode::kExtend: return "extend";
-    case ForwardMode::kDecode: return "decode";
-    case ForwardMode::kTargetVerify: return "target-verify";
-    case ForwardMode::kDraftExtend: return "draft-extend";
+    case ForwardMode::kExtend:
+      return "extend";
+    case ForwardMode::kDecode:
+      return "decode";
+    case ForwardMode::kTargetVerify:
+      return "target-verify";
+    case ForwardMode::kDraftExtend:
+      return "draft-extend";
   }
   return "?";
 }
@@ -69,20 +73,20 @@ void Batch::validate(int page_size, int64_t num_pages) const {
     const int64_t pages_needed = (len + page_size - 1) / page_size;
     const auto& table = page_tables[r];
     DSAKIT_CHECK_ARG(int64_t(table.size()) >= pages_needed, "request ", r, ": length ", len,
-                     " (prefix ", p, " + extend ", e, ") needs ", pages_needed,
-                     " pages of ", page_size, " but its page table has ", table.size());
+                     " (prefix ", p, " + extend ", e, ") needs ", pages_needed, " pages of ",
+                     page_size, " but its page table has ", table.size());
     for (int64_t i = 0; i < pages_needed; ++i) {
       const int32_t id = table[size_t(i)];
       DSAKIT_CHECK_ARG(id >= 0 && id < num_pages, "request ", r, " page_table[", i,
                        "]: expected a page id in [0, ", num_pages, "), got ", id);
       auto [it, fresh] = owner.emplace(id, int32_t(r));
       if (fresh) continue;
-      DSAKIT_CHECK_ARG(it->second != int32_t(r), "request ", r, " page_table[", i, "]: page ",
-                       id, " is listed twice in one table");
+      DSAKIT_CHECK_ARG(it->second != int32_t(r), "request ", r, " page_table[", i, "]: page ", id,
+                       " is listed twice in one table");
       // Shared page: allowed only for declared shared prefixes, never for a written page.
       const bool read_only_here = (i + 1) * page_size <= p;
-      DSAKIT_CHECK_ARG(shared_prefix_pages && read_only_here, "request ", r, " page_table[",
-                       i, "]: page ", id, " is also used by request ", it->second,
+      DSAKIT_CHECK_ARG(shared_prefix_pages && read_only_here, "request ", r, " page_table[", i,
+                       "]: page ", id, " is also used by request ", it->second,
                        shared_prefix_pages ? " and would be written by this request"
                                            : " (declare shared_prefix_pages to share it)");
     }
@@ -92,7 +96,8 @@ void Batch::validate(int page_size, int64_t num_pages) const {
     std::unordered_map<int32_t, int> count;
     for (size_t r = 0; r < b; ++r) {
       const int64_t len = int64_t(prefix_lens[r]) + extend_lens[r];
-      for (int64_t i = 0; i < (len + page_size - 1) / page_size; ++i) ++count[page_tables[r][size_t(i)]];
+      for (int64_t i = 0; i < (len + page_size - 1) / page_size; ++i)
+        ++count[page_tables[r][size_t(i)]];
     }
     for (size_t r = 0; r < b; ++r) {
       const int64_t len = int64_t(prefix_lens[r]) + extend_lens[r];

@@ -8,9 +8,12 @@ namespace dsakit {
 
 const char* to_string(KvLayout layout) {
   switch (layout) {
-    case KvLayout::kBf16: return "bf16";
-    case KvLayout::kFp8Scaled: return "fp8";
-    case KvLayout::kFp8Raw: return "fp8-raw";
+    case KvLayout::kBf16:
+      return "bf16";
+    case KvLayout::kFp8Scaled:
+      return "fp8";
+    case KvLayout::kFp8Raw:
+      return "fp8-raw";
   }
   return "?";
 }
@@ -35,8 +38,9 @@ ScalePolicy parse_scale_policy(const std::string& name) {
 void KvPoolDesc::validate() const {
   DSAKIT_CHECK_ARG(page_size >= 1, "kv pool page_size: expected >= 1, got ", page_size);
   DSAKIT_CHECK_ARG(num_pages >= 1, "kv pool num_pages: expected >= 1, got ", num_pages);
-  DSAKIT_CHECK_ARG(num_locations() <= INT32_MAX, "kv pool: num_pages * page_size = ",
-                   num_locations(), " exceeds the int32 location range");
+  DSAKIT_CHECK_ARG(num_locations() <= INT32_MAX,
+                   "kv pool: num_pages * page_size = ", num_locations(),
+                   " exceeds the int32 location range");
   DSAKIT_CHECK_ARG(d_c > 0 && d_c % kFp8TileSize == 0,
                    "kv pool d_c: expected a positive multiple of 128, got ", d_c);
   DSAKIT_CHECK_ARG(d_rope > 0 && d_rope % 8 == 0,
@@ -57,8 +61,9 @@ std::string KvPoolDesc::summary() const {
 void IndexKeyPoolDesc::validate() const {
   DSAKIT_CHECK_ARG(page_size >= 1, "index pool page_size: expected >= 1, got ", page_size);
   DSAKIT_CHECK_ARG(num_pages >= 1, "index pool num_pages: expected >= 1, got ", num_pages);
-  DSAKIT_CHECK_ARG(num_locations() <= INT32_MAX, "index pool: num_pages * page_size = ",
-                   num_locations(), " exceeds the int32 location range");
+  DSAKIT_CHECK_ARG(num_locations() <= INT32_MAX,
+                   "index pool: num_pages * page_size = ", num_locations(),
+                   " exceeds the int32 location range");
   DSAKIT_CHECK_ARG(d_i > 0 && d_i % 16 == 0,
                    "index pool d_i: expected a positive multiple of 16, got ", d_i);
 }

@@ -1,0 +1,74 @@
+// Drivers over the layer: whole prompts fed as chunked extends, decode steps, and the host-side
+// token store they slice from (DESIGN.md §6). Used by the CLI, the benchmarks and the tests.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dsakit/layer.h"
+
+namespace dsakit {
+
+// Per-position layer inputs of a set of requests, on the host. Row of (request r, position p)
+// is offset(r) + p, offset(r) = Σ_{r' < r} length(r'). Shapes as LayerInputs with T = rows.
+struct TokenStore {
+  std::vector<int32_t> lengths;  // positions held per request
+  Tensor q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w;
+
+  int64_t rows() const;
+  int64_t offset(int r) const;
+  // Random inputs for `lengths` (normal(0,1) bf16 queries and keys, c_kv scaled like an RMS-
+  // normalized latent, fp32 idx_w), deterministic in `seed`.
+  static TokenStore random(const ModelConfig& config, const std::vector<int32_t>& lengths,
+                           uint64_t seed);
+  // Rows `rows` (in order) copied into new host tensors on `backend`'s device.
+  struct DeviceInputs {
+    Tensor q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w;
+    LayerInputs view() const;
+  };
+  DeviceInputs slice(Backend& backend, const std::vector<int64_t>& rows) const;
+};
+
+// Random kv_b_proj bf16 [H*(d_nope+d_v), d_c] on the host, scaled ~1/sqrt(d_c).
+Tensor random_kv_b_proj(const ModelConfig& config, uint64_t seed);
+
+// One step of a run: the batch that was sent and what came back.
+struct StepRecord {
+  Batch batch;
+  Plan plan;
+  std::vector<int64_t> rows;  // TokenStore rows of the step's new tokens, in batch order
+  std::vector<StageTime> stages;
+};
+
+// Outputs gathered back into TokenStore row order (host, f32); rows never run hold NaN.
+struct RunOutputs {
+  Tensor o;     // f32 [rows, H, d_v]
+  Tensor lse;   // f32 [rows, H]
+  Tensor topk;  // i32 [rows, index_topk] positions (-1 padded; all -1 for dense-path rows)
+  std::vector<uint8_t> ran;  // [rows] 1 where the row was computed
+  std::vector<StepRecord> steps;
+};
+
+struct RunSchedule {
+  std::vector<int32_t> begin;  // first position to run per request (cached prefix length)
+  std::vector<int32_t> end;    // one past the last position to run
+  int chunk = 0;               // tokens per request per step; <= 0: everything in one step
+  ForwardMode mode = ForwardMode::kExtend;
+};
+
+// Runs the schedule through `layer`: step s sends, for every request with positions left,
+// the next min(chunk, left) positions as an extend (or decode) over the cached prefix. Results
+// are written into `out` (allocated by the first call: pass the same RunOutputs to accumulate
+// several schedules). `progress` (optional) is called after each step with (done, total) tokens.
+void run_schedule(DsaAttention& layer, const std::vector<std::vector<int32_t>>& page_tables,
+                  const TokenStore& tokens, const RunSchedule& schedule, RunOutputs& out,
+                  const std::function<void(int64_t, int64_t)>& progress = {});
+
+// Page tables for `lengths` tokens per request: disjoint pages from a shuffled pool of
+// `num_pages` (seeded). Throws if the pool is too small.
+std::vector<std::vector<int32_t>> allocate_pages(const std::vector<int32_t>& lengths, int page_size,
+                                                 int64_t num_pages, uint64_t seed);
+
+}  // namespace dsakit

@@ -1,0 +1,82 @@
+// One DSA attention layer at the attention-backend boundary (DESIGN.md §1, §3, §6):
+// store the new tokens' latent KV and index keys into the pools, plan, run the chosen path.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dsakit/backend.h"
+#include "dsakit/batch.h"
+#include "dsakit/config.h"
+#include "dsakit/plan.h"
+#include "dsakit/pool.h"
+#include "dsakit/tensor.h"
+
+namespace dsakit {
+
+// Per-call inputs, on the layer backend's device; T new tokens in batch (request) order.
+struct LayerInputs {
+  TensorView q_nope;  // bf16 [T, H, d_nope]
+  TensorView q_pe;    // bf16 [T, H, d_rope]   RoPE applied
+  TensorView c_kv;    // bf16 [T, d_c]         normalized latent KV
+  TensorView k_pe;    // bf16 [T, d_rope]      RoPE applied
+  TensorView idx_q;   // bf16 [T, H_i, d_i]
+  TensorView idx_k;   // bf16 [T, d_i]
+  TensorView idx_w;   // f32  [T, H_i]
+};
+
+struct StageTime {
+  std::string stage;  // store, plan, gather, up_proj_kv, dense_mha, indexer_topk, absorb, ...
+  double ms = 0;
+};
+
+struct LayerResult {
+  Tensor o;     // [T, H, d_v]: bf16 (or LayerOptions::output_dtype)
+  Tensor lse;   // f32 [T, H], natural log
+  Tensor topk;  // i32 [T, index_topk] positions within each request (sparse path only)
+  Plan plan;
+  std::vector<StageTime> stages;  // filled when LayerOptions::time_stages
+};
+
+struct LayerOptions {
+  double sm_scale = 0;                // 0: ModelConfig::softmax_scale()
+  DType output_dtype = DType::kBF16;  // bf16 or f32
+  DispatchPolicy policy;
+  bool time_stages = false;  // synchronize around each stage and record wall time
+};
+
+// Checks layer inputs against the config for T new tokens on `device` (throws naming the tensor).
+void check_layer_inputs(const ModelConfig& config, Device device, const LayerInputs& inputs,
+                        int64_t num_tokens);
+
+class DsaAttention {
+ public:
+  // kv_b_proj: bf16 [H*(d_nope+d_v), d_c] on the backend's device. The pools must share one
+  // page size and have enough pages; they outlive the layer.
+  DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv_pool, IndexKeyPool& index_pool,
+               TensorView kv_b_proj, LayerOptions options = {});
+
+  const ModelConfig& config() const { return config_; }
+  double sm_scale() const { return sm_scale_; }
+  Backend& backend() const { return backend_; }
+  const LayerOptions& options() const { return options_; }
+  void set_policy(const DispatchPolicy& policy) { options_.policy = policy; }
+
+  // The dispatcher's decision for `batch` (validates the batch against the pools).
+  Plan plan(const Batch& batch) const;
+
+  // Validates everything (batch, page tables, input shapes) before the first write; then stores
+  // the new tokens, plans and runs. A rejected call leaves both pools untouched.
+  LayerResult forward(const Batch& batch, const LayerInputs& inputs);
+
+ private:
+  ModelConfig config_;
+  Backend& backend_;
+  PagedKvPool& kv_pool_;
+  IndexKeyPool& index_pool_;
+  TensorView kv_b_proj_;
+  LayerOptions options_;
+  double sm_scale_ = 0;
+};
+
+}  // namespace dsakit

@@ -1,0 +1,180 @@
+// Entry points of the CUDA attention kernels: feature checks, parameter packing, instance
+// dispatch, the dense tile schedule, and CUDA errors turned into dsakit::Error.
+#include "src/cuda/attention/attention_ops.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "dsakit/error.h"
+#include "src/cuda/attention/dispatch.h"
+#include "src/cuda/common/dispatch.h"
+#include "src/cuda/sm90/prefill/dense_mha/dense_mha_params.h"
+#include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_params.h"
+
+namespace dsakit {
+namespace {
+
+using cuda::attention::dispatch_dense_dims;
+using cuda::attention::dispatch_heads_per_cta;
+
+void check_cuda(cudaError_t err, const char* what) {
+  DSAKIT_CHECK(err == cudaSuccess, kBackend, what, ": ", cudaGetErrorName(err), " (",
+               cudaGetErrorString(err), ")");
+}
+
+void require_bf16(const TensorView& t, const char* op, const char* name) {
+  DSAKIT_CHECK(t.dtype == DType::kBF16, kUnsupported, op, ": ", name, " requires dtype ",
+               to_string(t.dtype), "; the CUDA kernels support bf16");
+}
+
+template <typename T>
+const T* data_or_null(const TensorView& t) {
+  return t.ndim == 0 ? nullptr : t.ptr<const T>();
+}
+
+// Query tiles of <= 64 rows per request, heaviest (most kv rows) first so the long tiles start
+// early; ties keep batch order, so the schedule is deterministic.
+std::vector<cuda::dense_mha::DenseTile> build_dense_schedule(const DenseMhaArgs& a) {
+  using cuda::dense_mha::DenseTile;
+  using cuda::dense_mha::kDenseBlockM;
+  std::vector<DenseTile> tiles;
+  for (int r = 0; r < a.num_requests; ++r) {
+    const int32_t q_begin = a.cu_q_host[r], extend = a.cu_q_host[r + 1] - q_begin;
+    const int32_t kv_len = a.cu_kv_host[r + 1] - a.cu_kv_host[r];
+    const int32_t prefix = kv_len - extend;
+    for (int32_t i0 = 0; i0 < extend; i0 += kDenseBlockM)
+      tiles.push_back(
+          {q_begin + i0, std::min(kDenseBlockM, extend - i0), a.cu_kv_host[r], prefix + i0});
+  }
+  std::stable_sort(tiles.begin(), tiles.end(), [](const DenseTile& x, const DenseTile& y) {
+    return x.first_query_pos + x.q_len > y.first_query_pos + y.q_len;
+  });
+  return tiles;
+}
+
+// Row size the sparse MLA kernel assumes for a pool layout (d_c 512, d_rope 64).
+int kernel_pool_row_bytes(KvLayout layout) {
+  using cuda::sparse_mla::PoolRow;
+  DSAKIT_DISPATCH_KV_LAYOUT(layout, kLayout, 0, return PoolRow<kLayout>::kBytes);
+  return 0;
+}
+
+// Launches the sparse MLA instance for a pool layout and head group; false if none exists.
+bool launch_sparse_mla(KvLayout layout, int heads_per_cta,
+                       const cuda::sparse_mla::SparseMlaParams& params, cudaStream_t stream,
+                       cudaError_t& status) {
+  using cuda::sparse_mla::run_sparse_mla;
+  bool found = false;
+  DSAKIT_DISPATCH_KV_LAYOUT(layout, kLayout, false, {
+    found = dispatch_heads_per_cta(heads_per_cta, [&](auto heads) {
+      status = run_sparse_mla<decltype(heads)::value, kLayout>(params, stream);
+    });
+  });
+  return found;
+}
+
+}  // namespace
+
+void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "cuda sparse_mla";
+  using namespace cuda::sparse_mla;
+  require_bf16(a.q_abs, kOp, "q_abs");
+  require_bf16(a.q_pe, kOp, "q_pe");
+  require_bf16(a.o_lat, kOp, "o_lat");
+  const KvPoolDesc& desc = a.kv->desc();
+  DSAKIT_CHECK(desc.d_c == kDimLatent && desc.d_rope == kDimRope, kUnsupported, kOp,
+               ": requires (d_c, d_rope) = (", desc.d_c, ", ", desc.d_rope,
+               "); the CUDA kernels support (512, 64)");
+  const int64_t num_tokens = a.q_abs.shape[0];
+  const int64_t num_heads = a.q_abs.shape[1];
+  DSAKIT_CHECK(num_heads >= 1 && num_heads <= 128, kUnsupported, kOp, ": requires ", num_heads,
+               " heads; the CUDA kernels support 1..128");
+  const int64_t topk = a.indices.shape[1];
+  DSAKIT_CHECK(topk <= INT32_MAX, kUnsupported, kOp, ": top-k ", topk, " exceeds int32");
+
+  SparseMlaParams params{};
+  params.q_abs = a.q_abs.ptr<const bf16_t>();
+  params.q_pe = a.q_pe.ptr<const bf16_t>();
+  params.kv_pool = a.kv->storage().ptr<const uint8_t>();
+  params.indices = a.indices.ptr<const int32_t>();
+  params.topk_length = data_or_null<int32_t>(a.topk_length);
+  params.o_lat = a.o_lat.ptr<bf16_t>();
+  params.lse = a.lse.ptr<float>();
+  params.num_tokens = num_tokens;
+  params.num_locations = desc.num_locations();
+  params.num_heads = int(num_heads);
+  params.topk = int(topk);
+  params.sm_scale = float(a.sm_scale);
+  params.k_scale = desc.k_scale;
+  if (num_tokens == 0) return;
+
+  const int heads_per_cta = cuda::attention::sparse_mla_heads_per_cta(int(num_heads));
+  DSAKIT_CHECK(desc.bytes_per_token() == kernel_pool_row_bytes(desc.layout), kInternal, kOp,
+               ": pool rows of ", desc.bytes_per_token(), " B, the kernel reads ",
+               kernel_pool_row_bytes(desc.layout), " B for layout ", to_string(desc.layout));
+  cudaError_t status = cudaSuccess;
+  const bool found = launch_sparse_mla(desc.layout, heads_per_cta, params, stream, status);
+  DSAKIT_CHECK(found, kUnsupported, kOp, ": no instance for pool layout ", to_string(desc.layout),
+               " with ", heads_per_cta,
+               " heads per CTA; supported: layouts bf16, fp8, fp8-raw; head groups 16, 64");
+  check_cuda(status, "cuda sparse_mla launch");
+}
+
+void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream) {
+  constexpr const char* kOp = "cuda dense_mha";
+  using namespace cuda::dense_mha;
+  require_bf16(a.q_nope, kOp, "q_nope");
+  require_bf16(a.q_pe, kOp, "q_pe");
+  require_bf16(a.k_nope, kOp, "k_nope");
+  require_bf16(a.k_pe, kOp, "k_pe");
+  require_bf16(a.v, kOp, "v");
+  require_bf16(a.o, kOp, "o");
+  const int64_t num_heads = a.q_nope.shape[1];
+  const int d_nope = int(a.q_nope.shape[2]), d_rope = int(a.q_pe.shape[2]), d_v = int(a.v.shape[2]);
+  const int64_t num_kv = a.k_nope.shape[0];
+  DSAKIT_CHECK(num_kv <= INT32_MAX, kUnsupported, kOp, ": ", num_kv,
+               " kv rows; the CUDA kernel supports up to 2^31 - 1");
+
+  const std::vector<DenseTile> tiles = build_dense_schedule(a);
+  if (tiles.empty() || num_heads == 0) return;
+
+  DenseMhaParams params{};
+  params.q_nope = a.q_nope.ptr<const bf16_t>();
+  params.q_pe = a.q_pe.ptr<const bf16_t>();
+  params.k_nope = a.k_nope.ptr<const bf16_t>();
+  params.k_pe = a.k_pe.ptr<const bf16_t>();
+  params.v = a.v.ptr<const bf16_t>();
+  params.o = a.o.ptr<bf16_t>();
+  params.lse = a.lse.ptr<float>();
+  params.num_tiles = int(tiles.size());
+  params.num_heads = int(num_heads);
+  params.sm_scale = float(a.sm_scale);
+
+  // The kernel's launcher for the requested head dims; none -> kUnsupported before any
+  // allocation.
+  cudaError_t (*launch)(const DenseMhaParams&, cudaStream_t) = nullptr;
+  dispatch_dense_dims(d_nope, d_rope, d_v, [&](auto nope, auto rope, auto v) {
+    launch = &run_dense_mha<decltype(nope)::value, decltype(rope)::value, decltype(v)::value>;
+  });
+  DSAKIT_CHECK(launch != nullptr, kUnsupported, kOp, ": requires (d_nope, d_rope, d_v) = (", d_nope,
+               ", ", d_rope, ", ", d_v, "); the CUDA kernels support ",
+               cuda::attention::kDenseMhaSupportedDims);
+
+  // The schedule travels with the stream: stream-ordered allocation, copy, launch, free.
+  DenseTile* device_tiles = nullptr;
+  const size_t bytes = tiles.size() * sizeof(DenseTile);
+  check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&device_tiles), bytes, stream),
+             "cuda dense_mha: schedule allocation");
+  cudaError_t status =
+      cudaMemcpyAsync(device_tiles, tiles.data(), bytes, cudaMemcpyHostToDevice, stream);
+  if (status == cudaSuccess) {
+    params.tiles = device_tiles;
+    status = launch(params, stream);
+  }
+  const cudaError_t free_status = cudaFreeAsync(device_tiles, stream);
+  check_cuda(status, "cuda dense_mha launch");
+  check_cuda(free_status, "cuda dense_mha: schedule release");
+}
+
+}  // namespace dsakit

@@ -1,0 +1,23 @@
+// Entry points of the CUDA attention kernels (sm_90a). The CUDA backend validates the arguments
+// (src/core/validate.h) and calls these with device views; they choose the compiled instance,
+// launch on `stream` and return without synchronizing.
+//
+// Throw Error(kUnsupported) naming required vs supported features when no instance matches
+// (dtype, head dims, head count, pool layout), and Error(kBackend) on a CUDA error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "dsakit/backend.h"
+
+namespace dsakit {
+
+// Sparse MLA (DESIGN.md §3.4), prefill and decode: q_abs / q_pe / o_lat bf16, d_c 512,
+// d_rope 64, H in [1, 128], any top-k, pool layouts bf16 | fp8 | fp8-raw read by location.
+void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
+
+// Dense MHA prefill (DESIGN.md §3.5): bf16, (d_nope, d_rope, d_v) in {(128, 64, 128),
+// (192, 64, 256)}, varlen causal with prefix; the tile schedule comes from cu_q_host / cu_kv_host.
+void cuda_dense_mha(const DenseMhaArgs& args, cudaStream_t stream);
+
+}  // namespace dsakit

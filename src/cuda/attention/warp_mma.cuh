@@ -1,0 +1,153 @@
+// Warp-level building blocks shared by the sm_90a attention kernels: cp.async gathers into
+// XOR-swizzled shared memory, ldmatrix fragment loads, bf16 mma.sync.m16n8k16 with fp32
+// accumulation, and quad reductions for the online softmax.
+//
+// This is the one place that knows the MMA core. The wgmma/TMA version replaces these
+// fragment loaders and the mma call; the kernels' tiling and softmax stay (docs/kernels.md).
+//
+// Fragment conventions of mma.m16n8k16 (lane = 4 * g + q, g in [0, 8), q in [0, 4)):
+//   A (16x16, row-major)  a[0]: (g,   2q..2q+1)  a[1]: (g+8, 2q..)  a[2]: (g, 8+2q..)  a[3]: (g+8,
+//   8+2q..) B (16x8,  k-major)    b[0]: (k = 2q..2q+1, n = g)  b[1]: (k = 8+2q.., n = g) C (16x8,
+//   fp32)       c[0..1]: (row g, cols 2q, 2q+1)  c[2..3]: (row g+8, cols 2q, 2q+1)
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace dsakit::cuda::attention {
+
+inline constexpr int kWarpSize = 32;
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- swizzled shared-memory tiles ------------------------------------------------------------
+// A tile of rows of kChunks 16-byte chunks (8 bf16 each), kChunks a multiple of 8. Chunk c of
+// row r lives at physical chunk r * kChunks + (c ^ (r & 7)): the 8 rows an ldmatrix reads at one
+// logical chunk fall in 8 distinct bank groups, so loads and stores are conflict-free.
+template <int kChunks>
+struct SwizzledTile {
+  static_assert(kChunks % 8 == 0, "swizzle permutes chunks within groups of 8");
+  static constexpr int kRowBytes = kChunks * 16;
+
+  __device__ __forceinline__ static uint32_t offset(int row, int chunk) {
+    return uint32_t(row * kChunks + (chunk ^ (row & 7))) * 16u;
+  }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- cp.async ------------------------------------------------------------------------------
+// Copies 16 bytes global -> shared; when !valid the destination is zero-filled and src is not
+// read (it must still be a mapped address: callers pass a base pointer).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+// Waits until at most kPending committed groups of this thread are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// ---- ldmatrix --------------------------------------------------------------------------------
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// A fragment of rows [row0, row0 + 16), k chunks {chunk0, chunk0 + 1} of a swizzled tile.
+template <int kChunks>
+__device__ __forceinline__ void load_a_frag(uint32_t (&a)[4], uint32_t tile, int row0, int chunk0,
+                                            int lane) {
+  const int row = row0 + (lane & 15);
+  const int chunk = chunk0 + (lane >> 4);
+  ldmatrix_x4(a, tile + SwizzledTile<kChunks>::offset(row, chunk));
+}
+
+// B fragments of S = A · X^T for two n-tiles: X rows [n0, n0 + 16) (the n dim), k chunks
+// {chunk0, chunk0 + 1}. b[0..1]: n-tile n0, b[2..3]: n-tile n0 + 8.
+template <int kChunks>
+__device__ __forceinline__ void load_bt_frag_x2n(uint32_t (&b)[4], uint32_t tile, int n0,
+                                                 int chunk0, int lane) {
+  const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
+  const int chunk = chunk0 + ((lane >> 3) & 1);
+  ldmatrix_x4(b, tile + SwizzledTile<kChunks>::offset(row, chunk));
+}
+
+// As above for one n-tile (rows [n0, n0 + 8)).
+template <int kChunks>
+__device__ __forceinline__ void load_bt_frag_x1n(uint32_t (&b)[2], uint32_t tile, int n0,
+                                                 int chunk0, int lane) {
+  const int row = n0 + (lane & 7);
+  const int chunk = chunk0 + ((lane >> 3) & 1);
+  ldmatrix_x2(b, tile + SwizzledTile<kChunks>::offset(row, chunk));
+}
+
+// B fragments of O = P · X for two n-tiles: X rows [k0, k0 + 16) (the k dim), columns chunks
+// {chunk0, chunk0 + 1} (the n dim, 8 columns each). b[0..1]: n-tile chunk0, b[2..3]: chunk0 + 1.
+template <int kChunks>
+__device__ __forceinline__ void load_b_frag_x2n(uint32_t (&b)[4], uint32_t tile, int k0, int chunk0,
+                                                int lane) {
+  const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+  const int chunk = chunk0 + (lane >> 4);
+  ldmatrix_x4_trans(b, tile + SwizzledTile<kChunks>::offset(row, chunk));
+}
+
+// ---- mma -------------------------------------------------------------------------------------
+// c += a · b for one 16x8x16 tile, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two fp32 values as one register of two bf16 (lo = first), round to nearest even.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Both bf16 halves of v times (lo, hi) in fp32, rounded back to bf16.
+__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, float lo, float hi) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  return pack_bf16x2(f.x * lo, f.y * hi);
+}
+
+// ---- quad reductions (the 4 lanes sharing an accumulator row) -------------------------------
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The running max used as the exp2 offset: a row that has seen no valid key yet keeps
+// m = -inf, and exp2(-inf - 0) = 0 gives it zero weight instead of NaN.
+__device__ __forceinline__ float softmax_offset(float m) {
+  return m == -INFINITY ? 0.f : m;
+}
+
+}  // namespace dsakit::cuda::attention

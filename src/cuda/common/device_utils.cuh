@@ -1,0 +1,131 @@
+// Small device helpers shared by the CUDA kernels. Number formats come from dsakit/formats.h
+// (host + device); nothing here redefines a format rule.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "dsakit/formats.h"
+
+namespace dsakit::cuda {
+
+inline constexpr int kWarpSize = 32;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+    v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  return v;
+}
+
+// A float written as OutT: f32 as is, bf16 rounded to nearest even (formats.h).
+template <typename OutT>
+__device__ __forceinline__ OutT to_out(float v) {
+  if constexpr (std::is_same_v<OutT, float>) {
+    return v;
+  } else {
+    return f32_to_bf16(v);
+  }
+}
+
+// A float / bf16 element read as float.
+template <typename InT>
+__device__ __forceinline__ float to_float(InT v) {
+  if constexpr (std::is_same_v<InT, float>) {
+    return v;
+  } else {
+    return bf16_to_f32(v);
+  }
+}
+
+// x * y and x / y whose NaN results carry the bits an x86-64 host produces (SSE: the first NaN
+// operand, quieted; an invalid operation such as inf/inf or 0*inf gives the negative default
+// NaN 0xFFC00000). CUDA arithmetic returns one canonical NaN instead; with these the pool bytes
+// and gathers equal the CPU backend's for NaN and infinite inputs too.
+__device__ __forceinline__ float host_nan(float x, float y) {
+  if (isnan(x)) return f32_from_bits(f32_bits(x) | 0x00400000u);
+  if (isnan(y)) return f32_from_bits(f32_bits(y) | 0x00400000u);
+  return f32_from_bits(0xFFC00000u);
+}
+__device__ __forceinline__ float host_mul(float x, float y) {
+  const float r = x * y;
+  return isnan(r) ? host_nan(x, y) : r;
+}
+__device__ __forceinline__ float host_div(float x, float y) {
+  const float r = x / y;
+  return isnan(r) ? host_nan(x, y) : r;
+}
+
+// quantize_e4m3 of formats.h (e4m3 of x / s, fp32 division) with the host's NaN bits.
+__device__ __forceinline__ uint8_t quantize_e4m3_like_host(float x, float s) {
+  return f32_to_e4m3(host_div(x, s));
+}
+// value = e4m3(code) * s rounded to fp32, with the host's NaN bits.
+__device__ __forceinline__ float dequantize_e4m3_like_host(uint8_t code, float s) {
+  return host_mul(e4m3_to_f32(code), s);
+}
+
+// Four consecutive bf16 values as floats; one 8-byte load when p is 8-byte aligned (the usual
+// case: tensors come from 256-byte aligned blocks and rows are multiples of 8 bytes).
+__device__ __forceinline__ void load_bf16x4(const bf16_t* p, float (&v)[4]) {
+  if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);  // little-endian: element 0 is low
+    v[0] = f32_from_bits(raw.x << 16);
+    v[1] = f32_from_bits(raw.x & 0xFFFF0000u);
+    v[2] = f32_from_bits(raw.y << 16);
+    v[3] = f32_from_bits(raw.y & 0xFFFF0000u);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = bf16_to_f32(p[j]);
+  }
+}
+
+// Stores b[0..3] at p[0..3]; one 4-byte store when p is 4-byte aligned.
+__device__ __forceinline__ void store_u8x4(uint8_t* p, const uint8_t (&b)[4]) {
+  if ((reinterpret_cast<uintptr_t>(p) & 3u) == 0) {
+    *reinterpret_cast<uint32_t*>(p) =
+        uint32_t(b[0]) | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16) | (uint32_t(b[3]) << 24);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = b[j];
+  }
+}
+
+// fp32 stored / loaded little-endian at a byte address of any alignment.
+__device__ __forceinline__ void store_f32(uint8_t* p, float v) {
+  const uint32_t u = f32_bits(v);
+  const uint8_t b[4] = {uint8_t(u), uint8_t(u >> 8), uint8_t(u >> 16), uint8_t(u >> 24)};
+  store_u8x4(p, b);
+}
+__device__ __forceinline__ float load_f32(const uint8_t* p) {
+  if ((reinterpret_cast<uintptr_t>(p) & 3u) == 0) return *reinterpret_cast<const float*>(p);
+  return f32_from_bits(uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16) |
+                       (uint32_t(p[3]) << 24));
+}
+
+// Copies nbytes (a multiple of 2) from src to dst, spread over threads tid = 0 … nthreads-1:
+// 16-byte moves when both ends are 16-byte aligned and nbytes % 16 == 0, else 2-byte moves.
+__device__ __forceinline__ void copy_bytes(uint8_t* dst, const void* src, int nbytes, int tid,
+                                           int nthreads) {
+  const bool wide =
+      ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(nbytes)) &
+       15u) == 0;
+  if (wide) {
+    const uint4* s = static_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int i = tid; i < nbytes / 16; i += nthreads) d[i] = s[i];
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    for (int i = tid; i < nbytes / 2; i += nthreads) d[i] = s[i];
+  }
+}
+
+// Number of blocks of `per_block` items covering n items.
+inline int64_t ceil_div(int64_t n, int64_t per_block) {
+  return (n + per_block - 1) / per_block;
+}
+
+}  // namespace dsakit::cuda

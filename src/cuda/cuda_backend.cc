@@ -1,0 +1,538 @@
+#include "src/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "dsakit/error.h"
+#include "src/core/validate.h"
+#include "src/cuda/attention/merge_kernels.h"
+#include "src/cuda/common/check.h"
+#include "src/cuda/gemm/projections.h"
+#include "src/cuda/indexer/indexer_kernels.h"
+#include "src/cuda/pool/kv_pool_kernels.h"
+
+// The attention kernels (sparse MLA, dense MHA) live in src/cuda/sm90 and src/cuda/attention,
+// built from attention/sources.cmake; until their header exists those two ops are unsupported.
+#if __has_include("src/cuda/attention/attention_ops.h")
+#include "src/cuda/attention/attention_ops.h"
+#define DSAKIT_CUDA_HAVE_ATTENTION 1
+#else
+#define DSAKIT_CUDA_HAVE_ATTENTION 0
+#endif
+
+namespace dsakit {
+namespace cuda {
+
+namespace {
+
+constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation on sm_90
+
+int64_t to_i64(size_t v) {
+  return int64_t(v);
+}
+
+// The indexer's per-chunk scratch bound: DSAKIT_INDEXER_WORKSPACE_BYTES (the CPU backend reads
+// the same variable) overrides the option.
+int64_t indexer_chunk_bytes(const CudaBackendOptions& options) {
+  constexpr const char* kEnv = "DSAKIT_INDEXER_WORKSPACE_BYTES";
+  const char* s = std::getenv(kEnv);
+  if (s == nullptr || *s == 0) return to_i64(options.indexer_chunk_bytes);
+  char* end = nullptr;
+  const long long v = std::strtoll(s, &end, 10);
+  DSAKIT_CHECK_ARG(*end == 0 && v > 0, kEnv, ": expected a positive byte count, got '", s, "'");
+  return int64_t(v);
+}
+
+}  // namespace
+
+// Host copy of a device i32 index tensor, or nothing when value checks are off.
+struct CudaBackend::HostIndices {
+  std::vector<int32_t> values;
+  bool present = false;
+  const int32_t* get() const { return present ? values.data() : nullptr; }
+  int32_t operator[](int64_t i) const { return values[size_t(i)]; }
+};
+
+struct CudaBackend::ProjectionOperands {
+  cudaDataType operand_type = CUDA_R_16BF;
+  const void* w = nullptr;
+  float* staging[2] = {nullptr, nullptr};  // f32 result of output i, rounded into it afterwards
+
+  void* out(int i, const TensorView& o) const { return staging[i] ? staging[i] : o.data; }
+  cudaDataType out_type(int i, const TensorView& o) const {
+    return staging[i] || o.dtype == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
+  }
+};
+
+CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+  const int count = cuda_device_count();
+  DSAKIT_CHECK(device_index >= 0 && device_index < count, kUnsupported,
+               "device cuda:", device_index, ": no such CUDA device (", count, " visible)");
+  cudaDeviceProp prop{};
+  DSAKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_index));
+  const int arch = prop.major * 10 + prop.minor;
+  DSAKIT_CHECK(arch == 90, kUnsupported, "device cuda:", device_index, " (", prop.name, ") is sm_",
+               arch, "; this dsakit build ships sm_90a kernels only (H100/H200)");
+  caps_.device = Device::kCuda;
+  caps_.device_name = prop.name;
+  caps_.sm_arch = arch;
+  caps_.dense_mha = arch == 90 || arch == 100;
+  caps_.intermediate_dtype = DType::kBF16;
+
+  activate();
+  DSAKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+  stream_ = own_stream_;
+  DSAKIT_CUBLAS_CHECK(cublasCreate(&cublas_));
+  DSAKIT_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+  DSAKIT_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));  // no TF32
+  // A fixed cuBLAS workspace: cuBLAS then never allocates inside an op (graph capture).
+  DSAKIT_CUDA_CHECK(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
+  DSAKIT_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
+  arena_ = std::make_shared<DeviceArena>(device_);
+}
+
+CudaBackend::~CudaBackend() {
+  // Destructors must not throw: errors here are ignored.
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (cublas_) cublasDestroy(cublas_);
+  if (cublas_workspace_) cudaFree(cublas_workspace_);
+  if (own_stream_) cudaStreamDestroy(own_stream_);
+  cudaSetDevice(previous);
+}
+
+void CudaBackend::activate() const {
+  DSAKIT_CUDA_CHECK(cudaSetDevice(device_));
+}
+
+void CudaBackend::set_stream(cudaStream_t stream) {
+  activate();
+  DSAKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  stream_ = stream ? stream : own_stream_;
+  DSAKIT_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+}
+
+MemoryStats CudaBackend::memory_stats() const {
+  MemoryStats stats;
+  arena_->add_stats(stats);
+  workspace_.add_stats(stats);
+  return stats;
+}
+
+CudaBackend::HostIndices CudaBackend::host_indices(const TensorView& t) const {
+  HostIndices h;
+  // A view that is not a contiguous device i32 tensor is left to the shape checks to reject.
+  if (!options_.host_value_checks || t.device != Device::kCuda || t.dtype != DType::kI32 ||
+      !t.is_contiguous() || (t.data == nullptr && t.numel() != 0))
+    return h;
+  if (stream_is_capturing(stream_)) return h;
+  h.values.resize(size_t(t.numel()));
+  if (t.numel() > 0) {
+    DSAKIT_CUDA_CHECK(
+        cudaMemcpyAsync(h.values.data(), t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
+    DSAKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  h.present = true;
+  return h;
+}
+
+// ---- memory ---------------------------------------------------------------------------------
+
+Tensor CudaBackend::empty(DType dtype, const std::vector<int64_t>& shape) {
+  activate();
+  TensorView view = make_view(nullptr, dtype, Device::kCuda, shape);
+  std::shared_ptr<void> block = arena_->allocate(view.nbytes());
+  view.data = block.get();
+  return Tensor(std::move(block), view);
+}
+
+void CudaBackend::copy(const TensorView& dst, const TensorView& src) {
+  DSAKIT_CHECK_ARG(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy: dst ",
+                   to_string(dst.dtype), dst.shape_str(), " vs src ", to_string(src.dtype),
+                   src.shape_str());
+  DSAKIT_CHECK_ARG(dst.is_contiguous() && src.is_contiguous(), "copy: tensors must be contiguous");
+  if (dst.nbytes() == 0) return;
+  if (dst.device == Device::kCpu && src.device == Device::kCpu) {
+    std::memmove(dst.data, src.data, dst.nbytes());
+    return;
+  }
+  activate();
+  DSAKIT_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), cudaMemcpyDefault, stream_));
+  // A host side is read or may be freed by the caller as soon as copy() returns.
+  if (dst.device == Device::kCpu || src.device == Device::kCpu)
+    DSAKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::fill_bytes(const TensorView& dst, uint8_t byte) {
+  DSAKIT_CHECK_ARG(dst.device == Device::kCuda && dst.is_contiguous(),
+                   "fill_bytes: expected a contiguous cuda tensor");
+  if (dst.nbytes() == 0) return;
+  activate();
+  DSAKIT_CUDA_CHECK(cudaMemsetAsync(dst.data, byte, dst.nbytes(), stream_));
+}
+
+void CudaBackend::poison(const TensorView& dst) {
+  // All-ones bytes are a NaN in f32, f64 and bf16 (exponent all ones, mantissa non-zero), and
+  // 0xFF bytes for the integer dtypes: one memset serves every dtype.
+  fill_bytes(dst, 0xFF);
+}
+
+void CudaBackend::synchronize() {
+  activate();
+  DSAKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// ---- pool -----------------------------------------------------------------------------------
+
+void CudaBackend::store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                           const TensorView& k_pe) {
+  activate();
+  const HostIndices host_locs = host_indices(locs);
+  validate::store_kv(pool, locs, c_kv, k_pe, Device::kCuda, host_locs.get());
+  const KvPoolDesc& d = pool.desc();
+  const StoreKvParams p{locs.ptr<const int32_t>(),
+                        c_kv.ptr<const bf16_t>(),
+                        k_pe.ptr<const bf16_t>(),
+                        pool.storage().ptr<uint8_t>(),
+                        locs.numel(),
+                        d.num_locations(),
+                        d.row(),
+                        d.scale_policy,
+                        d.k_scale};
+  DSAKIT_CUDA_CHECK(launch_store_kv(p, stream_));
+}
+
+void CudaBackend::gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                            const TensorView& k_pe) {
+  activate();
+  const HostIndices host_locs = host_indices(locs);
+  validate::gather_kv(pool, locs, c_kv, k_pe, Device::kCuda, host_locs.get());
+  const KvPoolDesc& d = pool.desc();
+  const GatherKvParams p{locs.ptr<const int32_t>(),
+                         pool.storage().ptr<const uint8_t>(),
+                         c_kv.data,
+                         k_pe.data,
+                         c_kv.dtype == DType::kF32,
+                         k_pe.dtype == DType::kF32,
+                         locs.numel(),
+                         d.num_locations(),
+                         d.row(),
+                         d.k_scale};
+  DSAKIT_CUDA_CHECK(launch_gather_kv(p, stream_));
+}
+
+void CudaBackend::store_index_keys(IndexKeyPool& pool, const TensorView& locs,
+                                   const TensorView& idx_k) {
+  activate();
+  const HostIndices host_locs = host_indices(locs);
+  validate::store_index_keys(pool, locs, idx_k, Device::kCuda, host_locs.get());
+  const IndexKeyPoolDesc& d = pool.desc();
+  const StoreIndexKeysParams p{locs.ptr<const int32_t>(),
+                               idx_k.ptr<const bf16_t>(),
+                               pool.storage().ptr<uint8_t>(),
+                               locs.numel(),
+                               d.num_locations(),
+                               d.page_size,
+                               d.d_i};
+  DSAKIT_CUDA_CHECK(launch_store_index_keys(p, stream_));
+}
+
+// ---- indexer --------------------------------------------------------------------------------
+
+namespace {
+
+float indexer_head_scale(int64_t h_i, int64_t d_i) {
+  return float(1.0 / std::sqrt(double(h_i) * double(d_i)));
+}
+
+IndexerLogitsParams logits_params(const IndexerArgs& a) {
+  const IndexKeyPoolDesc& kd = a.keys->desc();
+  IndexerLogitsParams p{};
+  p.q8 = a.q8.ptr<const uint8_t>();
+  p.gate = a.gate.ptr<const float>();
+  p.key_pages = a.keys->storage().ptr<const uint8_t>();
+  p.kv_locs = a.kv_locs.ptr<const int32_t>();
+  p.kv_start = a.kv_start.ptr<const int32_t>();
+  p.ctx_len = a.ctx_len.ptr<const int32_t>();
+  p.n_kv = a.kv_locs.numel();
+  p.num_locations = kd.num_locations();
+  p.page_size = kd.page_size;
+  p.h_i = int(a.q8.shape[1]);
+  p.d_i = kd.d_i;
+  p.skip_ctx_at_most = -1;
+  p.fill_masked = true;
+  return p;
+}
+
+void check_logits_smem(int h_i, int d_i, int device) {
+  int optin = 0;
+  DSAKIT_CUDA_CHECK(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t need = indexer_logits_smem_bytes(h_i, d_i);
+  DSAKIT_CHECK(need <= size_t(optin), kUnsupported, "indexer logits: H_i = ", h_i, ", d_i = ", d_i,
+               " needs ", need, " B of shared memory per block, the device allows ", optin);
+}
+
+}  // namespace
+
+void CudaBackend::indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w,
+                                     const TensorView& q8, const TensorView& gate) {
+  activate();
+  validate::indexer_quantize_q(idx_q, idx_w, q8, gate, Device::kCuda);
+  const int64_t h_i = idx_q.shape[1], d_i = idx_q.shape[2];
+  DSAKIT_CHECK_ARG(d_i % 4 == 0, "idx_q: head dim expected a multiple of 4, got ", d_i);
+  const QuantizeQParams p{idx_q.ptr<const bf16_t>(),   idx_w.ptr<const float>(), q8.ptr<uint8_t>(),
+                          gate.ptr<float>(),           idx_q.shape[0] * h_i,     int(d_i),
+                          indexer_head_scale(h_i, d_i)};
+  DSAKIT_CUDA_CHECK(launch_indexer_quantize_q(p, stream_));
+}
+
+void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
+                                 const TensorView& logits) {
+  activate();
+  const HostIndices kv_locs = host_indices(a.kv_locs), kv_start = host_indices(a.kv_start),
+                    ctx_len = host_indices(a.ctx_len);
+  validate::indexer_args(a, Device::kCuda, kv_locs.get(), kv_start.get(), ctx_len.get());
+  int64_t rows_max_ctx = 0;  // 0 when value checks are off: the kernel clamps to the width
+  if (ctx_len.present)
+    for (int64_t t = std::max<int64_t>(row_begin, 0); t < row_end && t < a.ctx_len.numel(); ++t)
+      rows_max_ctx = std::max<int64_t>(rows_max_ctx, ctx_len[t]);
+  validate::indexer_logits_out(a, row_begin, row_end, logits, rows_max_ctx, Device::kCuda);
+  check_logits_smem(int(a.q8.shape[1]), a.keys->desc().d_i, device_);
+  IndexerLogitsParams p = logits_params(a);
+  p.logits = logits.ptr<float>();
+  p.row_begin = row_begin;
+  p.row_end = row_end;
+  p.width = logits.shape[1];
+  DSAKIT_CUDA_CHECK(launch_indexer_logits(p, stream_));
+}
+
+void CudaBackend::topk(const TensorView& logits, const TensorView& ctx_len, int k,
+                       const TensorView& out) {
+  activate();
+  const HostIndices host_ctx = host_indices(ctx_len);
+  validate::topk(logits, ctx_len, k, out, Device::kCuda, host_ctx.get());
+  const TopkParams p{logits.ptr<const float>(), ctx_len.ptr<const int32_t>(),
+                     out.ptr<int32_t>(),        logits.shape[0],
+                     logits.shape[1],           k};
+  DSAKIT_CUDA_CHECK(launch_topk(p, stream_));
+}
+
+void CudaBackend::indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
+                               const IndexerArgs& layout, int k, const TensorView& out) {
+  activate();
+  const HostIndices kv_locs = host_indices(layout.kv_locs),
+                    kv_start = host_indices(layout.kv_start),
+                    ctx_len = host_indices(layout.ctx_len);
+  validate::indexer_topk(idx_q, idx_w, layout, k, out, Device::kCuda, kv_locs.get(), kv_start.get(),
+                         ctx_len.get());
+  const int64_t tokens = idx_q.shape[0], h_i = idx_q.shape[1], d_i = idx_q.shape[2];
+  check_logits_smem(int(h_i), int(d_i), device_);
+  if (tokens == 0) return;
+
+  // The plan depends on shapes only (never on ctx_len values), so an eager run and a captured
+  // graph of the same shapes use the same workspace. Width: every row's context fits in
+  // kv_locs (kv_start + ctx_len <= N_kv). Rows run in chunks bounded by indexer_chunk_bytes.
+  const int64_t width = std::max<int64_t>(layout.kv_locs.numel(), 1);
+  const int64_t row_bytes = h_i * d_i + 4 * h_i + 4 * width;  // q8 + gate + logits row
+  const int64_t chunk_rows =
+      std::clamp<int64_t>(indexer_chunk_bytes(options_) / row_bytes, 1, tokens);
+  uint8_t* q8 = nullptr;
+  float *gate = nullptr, *logits = nullptr;
+  auto carve = [&](WorkspaceCarver& c) {
+    q8 = c.take<uint8_t>(chunk_rows * h_i * d_i);
+    gate = c.take<float>(chunk_rows * h_i);
+    logits = c.take<float>(chunk_rows * width);
+  };
+  WorkspaceCarver sizing(nullptr);
+  carve(sizing);
+  WorkspaceCarver slices(workspace_.ensure(sizing.bytes(), stream_));
+  carve(slices);
+
+  for (int64_t r0 = 0; r0 < tokens; r0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, tokens - r0);
+    // The chunk is a batch of its own: row i is token r0 + i.
+    const QuantizeQParams qp{idx_q.ptr<const bf16_t>() + r0 * h_i * d_i,
+                             idx_w.ptr<const float>() + r0 * h_i,
+                             q8,
+                             gate,
+                             rows * h_i,
+                             int(d_i),
+                             indexer_head_scale(h_i, d_i)};
+    DSAKIT_CUDA_CHECK(launch_indexer_quantize_q(qp, stream_));
+    IndexerArgs chunk = layout;  // q8 / gate: this chunk's, set below
+    chunk.q8 = make_view(q8, DType::kU8, Device::kCuda, {rows, h_i, d_i});
+    IndexerLogitsParams lp = logits_params(chunk);
+    lp.gate = gate;
+    lp.kv_start = layout.kv_start.ptr<const int32_t>() + r0;
+    lp.ctx_len = layout.ctx_len.ptr<const int32_t>() + r0;
+    lp.logits = logits;
+    lp.row_begin = 0;
+    lp.row_end = rows;
+    lp.width = width;
+    lp.skip_ctx_at_most = k;  // identity shortcut: top-k writes 0 … ctx-1 without logits
+    lp.fill_masked = false;   // top-k reads only [0, ctx_len)
+    DSAKIT_CUDA_CHECK(launch_indexer_logits(lp, stream_));
+    const TopkParams tp{logits, lp.ctx_len, out.ptr<int32_t>() + r0 * k, rows, width, k};
+    DSAKIT_CUDA_CHECK(launch_topk(tp, stream_));
+  }
+}
+
+void CudaBackend::positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
+                                         const TensorView& kv_start, const TensorView& ctx_len,
+                                         const TensorView& out) {
+  activate();
+  const HostIndices host_start = host_indices(kv_start), host_ctx = host_indices(ctx_len);
+  validate::positions_to_locations(positions, kv_locs, kv_start, ctx_len, out, Device::kCuda,
+                                   host_start.get(), host_ctx.get());
+  const PositionsToLocationsParams p{positions.ptr<const int32_t>(),
+                                     kv_locs.ptr<const int32_t>(),
+                                     kv_start.ptr<const int32_t>(),
+                                     ctx_len.ptr<const int32_t>(),
+                                     out.ptr<int32_t>(),
+                                     positions.shape[0],
+                                     int(positions.shape[1]),
+                                     kv_locs.numel()};
+  DSAKIT_CUDA_CHECK(launch_positions_to_locations(p, stream_));
+}
+
+// ---- projections ----------------------------------------------------------------------------
+// cuBLAS needs both GEMM operands in one type. bf16 activations multiply kv_b_proj as stored;
+// f32 activations multiply an exact f32 copy of it (workspace), and a bf16 output is then
+// rounded from an f32 staging buffer.
+
+CudaBackend::ProjectionOperands CudaBackend::prepare_projection(
+    const TensorView& act, const TensorView& w, std::initializer_list<const TensorView*> outs) {
+  ProjectionOperands ops;
+  if (act.dtype == DType::kBF16) {
+    ops.operand_type = CUDA_R_16BF;
+    ops.w = w.data;
+    return ops;
+  }
+  ops.operand_type = CUDA_R_32F;
+  float* w32 = nullptr;
+  auto carve = [&](WorkspaceCarver& c) {
+    w32 = c.take<float>(w.numel());
+    int i = 0;
+    for (const TensorView* o : outs) {
+      ops.staging[i] = o->dtype == DType::kBF16 ? c.take<float>(o->numel()) : nullptr;
+      ++i;
+    }
+  };
+  WorkspaceCarver sizing(nullptr);
+  carve(sizing);
+  WorkspaceCarver slices(workspace_.ensure(sizing.bytes(), stream_));
+  carve(slices);
+  DSAKIT_CUDA_CHECK(launch_bf16_to_f32(w.data, w32, w.numel(), stream_));
+  ops.w = w32;
+  return ops;
+}
+
+void CudaBackend::finish_projection(const ProjectionOperands& ops,
+                                    std::initializer_list<const TensorView*> outs) {
+  int i = 0;
+  for (const TensorView* o : outs) {
+    if (ops.staging[i])
+      DSAKIT_CUDA_CHECK(launch_f32_to_bf16(ops.staging[i], o->data, o->numel(), stream_));
+    ++i;
+  }
+}
+
+void CudaBackend::absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
+                           const TensorView& q_abs) {
+  activate();
+  validate::absorb_q(q_nope, kv_b_proj, d_v, q_abs, Device::kCuda);
+  const ProjectionDims dims{q_nope.shape[0], int(q_nope.shape[1]), int(q_nope.shape[2]), d_v,
+                            int(kv_b_proj.shape[1])};
+  const ProjectionOperands ops = prepare_projection(q_nope, kv_b_proj, {&q_abs});
+  DSAKIT_CUBLAS_CHECK(gemm_absorb_q(cublas_, dims, ops.operand_type, q_nope.data, ops.w,
+                                    ops.out_type(0, q_abs), ops.out(0, q_abs)));
+  finish_projection(ops, {&q_abs});
+}
+
+void CudaBackend::up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
+                            const TensorView& o) {
+  activate();
+  validate::up_proj_v(o_lat, kv_b_proj, d_nope, o, Device::kCuda);
+  const ProjectionDims dims{o_lat.shape[0], int(o_lat.shape[1]), d_nope, int(o.shape[2]),
+                            int(o_lat.shape[2])};
+  const ProjectionOperands ops = prepare_projection(o_lat, kv_b_proj, {&o});
+  DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, ops.operand_type, o_lat.data, dims.d_c, ops.w,
+                                      d_nope, dims.d_v, ops.out_type(0, o), ops.out(0, o)));
+  finish_projection(ops, {&o});
+}
+
+void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj,
+                             const TensorView& k_nope, const TensorView& v) {
+  activate();
+  validate::up_proj_kv(c_kv, kv_b_proj, k_nope, v, Device::kCuda);
+  const ProjectionDims dims{c_kv.shape[0], int(k_nope.shape[1]), int(k_nope.shape[2]),
+                            int(v.shape[2]), int(c_kv.shape[1])};
+  const ProjectionOperands ops = prepare_projection(c_kv, kv_b_proj, {&k_nope, &v});
+  // c_kv [N, d_c] is shared by every head: head stride 0.
+  DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, ops.operand_type, c_kv.data, 0, ops.w, 0,
+                                      dims.d_nope, ops.out_type(0, k_nope), ops.out(0, k_nope)));
+  DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, ops.operand_type, c_kv.data, 0, ops.w,
+                                      dims.d_nope, dims.d_v, ops.out_type(1, v), ops.out(1, v)));
+  finish_projection(ops, {&k_nope, &v});
+}
+
+// ---- attention ------------------------------------------------------------------------------
+
+void CudaBackend::sparse_mla(const SparseMlaArgs& args) {
+  activate();
+  validate::sparse_mla(args, Device::kCuda);
+#if DSAKIT_CUDA_HAVE_ATTENTION
+  cuda_sparse_mla(args, stream_);
+#else
+  DSAKIT_FAIL(kUnsupported, "sparse_mla: the CUDA attention kernels are not part of this build");
+#endif
+}
+
+void CudaBackend::dense_mha(const DenseMhaArgs& args) {
+  activate();
+  validate::dense_mha(args, Device::kCuda);
+#if DSAKIT_CUDA_HAVE_ATTENTION
+  cuda_dense_mha(args, stream_);
+#else
+  DSAKIT_FAIL(kUnsupported, "dense_mha: the CUDA attention kernels are not part of this build");
+#endif
+}
+
+void CudaBackend::merge_partials(const TensorView& o_parts, const TensorView& lse_parts,
+                                 const TensorView& o, const TensorView& lse) {
+  activate();
+  validate::merge_partials(o_parts, lse_parts, o, lse, Device::kCuda);
+  const MergePartialsParams p{
+      o_parts.ptr<const float>(), lse_parts.ptr<const float>(), o.data,
+      lse.ptr<float>(),           o.dtype == DType::kF32,       o_parts.shape[1] * o_parts.shape[2],
+      int(o_parts.shape[0]),      int(o_parts.shape[3])};
+  DSAKIT_CUDA_CHECK(launch_merge_partials(p, stream_));
+}
+
+}  // namespace cuda
+
+// ---- entry points of dsakit/backend.h -------------------------------------------------------
+
+bool cuda_backend_compiled() {
+  return true;
+}
+
+int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no GPU: not an error for the caller
+    return 0;
+  }
+  return count;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index) {
+  return std::make_unique<cuda::CudaBackend>(device_index);
+}
+
+}  // namespace dsakit

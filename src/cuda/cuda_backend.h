@@ -1,0 +1,108 @@
+// The CUDA backend (DESIGN.md §7): dsakit::Backend on one sm_90 device and one stream.
+// Each op validates its arguments with the checks every backend shares (src/core/validate.h),
+// then launches kernels from common/, pool/, indexer/, gemm/ and attention/; those know nothing
+// of the dsakit API. Device memory: DeviceArena (empty()) and Workspace (op scratch), see
+// common/workspace.h. docs/cuda.md describes kernels, workspace and graph capture.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include "dsakit/backend.h"
+#include "src/cuda/common/workspace.h"
+
+namespace dsakit::cuda {
+
+struct CudaBackendOptions {
+  // Copy device index tensors (locations, kv_start, ctx_len) to the host and check their values
+  // before any kernel writes, so a rejected call leaves pools untouched. This is a host sync.
+  // Off — and automatically while the stream is capturing a CUDA graph — only shapes, dtypes and
+  // devices are checked; kernels still bound-check every index they read (out-of-range
+  // locations are skipped by stores and gather as zeros).
+  bool host_value_checks = true;
+  // Largest scratch indexer_topk spends per chunk of rows (FP8 queries, gates, logits); a longer
+  // batch runs in several chunks. 256 MiB: a 64K-token prompt uses ~1K-row chunks.
+  // The environment variable DSAKIT_INDEXER_WORKSPACE_BYTES overrides it (as on the CPU).
+  size_t indexer_chunk_bytes = size_t(256) << 20;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device_index);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  const Capabilities& capabilities() const override { return caps_; }
+
+  Tensor empty(DType dtype, const std::vector<int64_t>& shape) override;
+  void copy(const TensorView& dst, const TensorView& src) override;
+  void fill_bytes(const TensorView& dst, uint8_t byte) override;
+  void poison(const TensorView& dst) override;
+  void synchronize() override;
+
+  void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                const TensorView& k_pe) override;
+  void gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                 const TensorView& k_pe) override;
+  void store_index_keys(IndexKeyPool& pool, const TensorView& locs,
+                        const TensorView& idx_k) override;
+
+  void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const TensorView& q8,
+                          const TensorView& gate) override;
+  void indexer_logits(const IndexerArgs& args, int64_t row_begin, int64_t row_end,
+                      const TensorView& logits) override;
+  void topk(const TensorView& logits, const TensorView& ctx_len, int k,
+            const TensorView& out) override;
+  void indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
+                    int k, const TensorView& out) override;
+
+  void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
+                const TensorView& q_abs) override;
+  void up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
+                 const TensorView& o) override;
+  void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const TensorView& k_nope,
+                  const TensorView& v) override;
+
+  void sparse_mla(const SparseMlaArgs& args) override;
+  void dense_mha(const DenseMhaArgs& args) override;
+  void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
+                      const TensorView& lse) override;
+  void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
+                              const TensorView& kv_start, const TensorView& ctx_len,
+                              const TensorView& out) override;
+
+  // ---- CUDA specifics --------------------------------------------------------------------
+  cudaStream_t stream() const { return stream_; }
+  // All later work goes to `stream` (nullptr: the backend's own stream). Synchronizes the
+  // previous stream first, so arena blocks freed under it are safe to reuse on the new one.
+  void set_stream(cudaStream_t stream);
+  CudaBackendOptions& options() { return options_; }
+  MemoryStats memory_stats() const;
+
+ private:
+  struct HostIndices;
+  struct ProjectionOperands;
+
+  void activate() const;  // makes this backend's device current on the calling thread
+  HostIndices host_indices(const TensorView& t) const;
+  ProjectionOperands prepare_projection(const TensorView& act, const TensorView& w,
+                                        std::initializer_list<const TensorView*> outs);
+  void finish_projection(const ProjectionOperands& ops,
+                         std::initializer_list<const TensorView*> outs);
+
+  int device_;
+  Capabilities caps_;
+  CudaBackendOptions options_;
+  cudaStream_t own_stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  void* cublas_workspace_ = nullptr;
+  std::shared_ptr<DeviceArena> arena_;
+  Workspace workspace_;
+};
+
+}  // namespace dsakit::cuda

@@ -1,0 +1,45 @@
+// MLA projections as per-head strided-batched cuBLAS GEMMs (cublasGemmStridedBatchedEx, fp32
+// accumulation, batch = heads). Operands are bf16 or f32 (A and B share one type, as cuBLAS
+// requires); outputs bf16 or f32.
+//
+// kv_b_proj W is row-major [H·(d_nope + d_v), d_c]. Head h's W_UK[h] [d_nope, d_c] is rows
+// h·(d_nope+d_v) … + d_nope, W_UV[h] [d_v, d_c] the d_v rows after it; the head stride is
+// (d_nope + d_v)·d_c elements.
+//
+// cuBLAS is column-major: a row-major [r, c] matrix with row stride ld is the column-major
+// [c, r] matrix with leading dimension ld (its transpose). Each launcher states its mapping.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dsakit::cuda {
+
+struct ProjectionDims {
+  int64_t rows;  // T (query tokens) or N (kv rows)
+  int heads;
+  int d_nope;
+  int d_v;
+  int d_c;
+};
+
+// q_abs[t,h,:] = q_nope[t,h,:] · W_UK[h]:  q_nope [T, H, d_nope] -> q_abs [T, H, d_c].
+cublasStatus_t gemm_absorb_q(cublasHandle_t handle, const ProjectionDims& dims,
+                             cudaDataType operand_type, const void* q_nope, const void* w,
+                             cudaDataType out_type, void* q_abs);
+
+// out[r,h,:] = W_blk[h] · x[r,h,:] for a block of out_dim rows per head (W_UK: offset 0,
+// out_dim d_nope; W_UV: offset d_nope, out_dim d_v). x is [rows, H, d_c] (x_head_stride d_c) or
+// one [rows, d_c] vector shared by every head (x_head_stride 0); out is [rows, H, out_dim].
+cublasStatus_t gemm_up_project(cublasHandle_t handle, const ProjectionDims& dims,
+                               cudaDataType operand_type, const void* x, int64_t x_head_stride,
+                               const void* w, int w_row_offset, int out_dim, cudaDataType out_type,
+                               void* out);
+
+// Elementwise dtype conversions for operand staging (bf16 -> f32 exact; f32 -> bf16 RNE).
+cudaError_t launch_bf16_to_f32(const void* in, float* out, int64_t n, cudaStream_t stream);
+cudaError_t launch_f32_to_bf16(const float* in, void* out, int64_t n, cudaStream_t stream);
+
+}  // namespace dsakit::cuda

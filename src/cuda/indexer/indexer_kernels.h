@@ -1,0 +1,75 @@
+// Launchers of the lightning-indexer kernels (DESIGN.md §3.2, §3.3): query quantization, logits
+// over the index-key pool, per-row top-k, and top-k positions -> pool locations. Plain parameter
+// structs; every index read from device memory is bound-checked in the kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dsakit/formats.h"
+
+namespace dsakit::cuda {
+
+struct QuantizeQParams {
+  const bf16_t* idx_q;  // [rows, d_i], rows = T * H_i
+  const float* idx_w;   // [rows]
+  uint8_t* q8;          // [rows, d_i] e4m3 codes of idx_q / s_q
+  float* gate;          // [rows] idx_w * head_scale * s_q
+  int64_t rows;
+  int d_i;           // multiple of 4
+  float head_scale;  // H_i^-0.5 * d_i^-0.5
+};
+
+struct IndexerLogitsParams {
+  const uint8_t* q8;         // [T, h_i, d_i] e4m3 codes
+  const float* gate;         // [T, h_i]
+  const uint8_t* key_pages;  // index-key pool [num_pages, page_size * (d_i + 4)]
+  const int32_t* kv_locs;    // [n_kv] pool locations
+  const int32_t* kv_start;   // [T] offset of each token's request in kv_locs
+  const int32_t* ctx_len;    // [T] visible positions of each token
+  float* logits;             // [row_end - row_begin, width]
+  int64_t row_begin;
+  int64_t row_end;
+  int64_t width;
+  int64_t n_kv;
+  int64_t num_locations;  // num_pages * page_size
+  int page_size;
+  int h_i;
+  int d_i;  // multiple of 4
+  // Rows with ctx_len <= skip_ctx_at_most are left unwritten (top-k's identity shortcut);
+  // -1 computes every row.
+  int64_t skip_ctx_at_most;
+  // Write -inf at positions [ctx_len, width) of computed rows (the indexer_logits contract);
+  // top-k never reads them, so indexer_topk leaves them unwritten.
+  bool fill_masked;
+};
+
+struct TopkParams {
+  const float* logits;     // [rows, width]; only entries [0, ctx_len) of a row are read
+  const int32_t* ctx_len;  // [rows], clamped to [0, width]
+  int32_t* out;            // [rows, k] ascending positions, -1 padded
+  int64_t rows;
+  int64_t width;
+  int k;
+};
+
+struct PositionsToLocationsParams {
+  const int32_t* positions;  // [T, k]
+  const int32_t* kv_locs;    // [n_kv]
+  const int32_t* kv_start;   // [T]
+  const int32_t* ctx_len;    // [T]
+  int32_t* out;              // [T, k] kv_locs[kv_start + pos] for pos in [0, ctx_len), else -1
+  int64_t tokens;
+  int k;
+  int64_t n_kv;
+};
+
+cudaError_t launch_indexer_quantize_q(const QuantizeQParams& p, cudaStream_t stream);
+// Dynamic shared memory the logits kernel needs for h_i heads of d_i values.
+size_t indexer_logits_smem_bytes(int h_i, int d_i);
+cudaError_t launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
+cudaError_t launch_topk(const TopkParams& p, cudaStream_t stream);
+cudaError_t launch_positions_to_locations(const PositionsToLocationsParams& p, cudaStream_t stream);
+
+}  // namespace dsakit::cuda

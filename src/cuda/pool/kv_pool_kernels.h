@@ -1,0 +1,54 @@
+// Launchers of the pool kernels (DESIGN.md §4): latent-pool store / gather in all three layouts
+// and the indexer-key store. Plain parameter structs; no dsakit API types beyond the format
+// descriptions of dsakit/pool.h. Every location is bound-checked in the kernel: an out-of-range
+// location is skipped by a store and gathers as zeros, never dereferenced.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dsakit/pool.h"
+
+namespace dsakit::cuda {
+
+struct StoreKvParams {
+  const int32_t* locs;  // [n] pool locations
+  const bf16_t* c_kv;   // [n, d_c]
+  const bf16_t* k_pe;   // [n, d_rope]
+  uint8_t* rows;        // [num_locations, row.bytes_per_token()]
+  int64_t n;
+  int64_t num_locations;
+  KvRowLayout row;
+  ScalePolicy scale_policy;  // fp8 (656 B) only
+  float k_scale;             // fp8-raw only
+};
+
+struct GatherKvParams {
+  const int32_t* locs;  // [n] pool locations
+  const uint8_t* rows;  // [num_locations, row.bytes_per_token()]
+  void* c_kv;           // [n, d_c]    f32 if c_kv_f32 else bf16
+  void* k_pe;           // [n, d_rope] f32 if k_pe_f32 else bf16
+  bool c_kv_f32;
+  bool k_pe_f32;
+  int64_t n;
+  int64_t num_locations;
+  KvRowLayout row;
+  float k_scale;  // fp8-raw only
+};
+
+struct StoreIndexKeysParams {
+  const int32_t* locs;  // [n] index-pool locations
+  const bf16_t* keys;   // [n, d_i]
+  uint8_t* pages;       // [num_pages, page_size * (d_i + 4)]: codes [page_size, d_i], scales
+  int64_t n;
+  int64_t num_locations;  // num_pages * page_size
+  int page_size;
+  int d_i;  // multiple of 16
+};
+
+cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream);
+cudaError_t launch_gather_kv(const GatherKvParams& p, cudaStream_t stream);
+cudaError_t launch_store_index_keys(const StoreIndexKeysParams& p, cudaStream_t stream);
+
+}  // namespace dsakit::cuda

@@ -1,0 +1,147 @@
+#include "src/reference/layer_reference.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <numeric>
+
+#include "dsakit/batch.h"
+#include "dsakit/error.h"
+
+namespace dsakit::reference {
+
+namespace {
+
+struct RequestKv {
+  Vec kv;         // [L, d_c + d_rope] decoded latent rows
+  Vec idx_k;      // [L, d_i] fp8 values of the index keys
+  Vec idx_scale;  // [L]
+};
+
+RequestKv decode_request(const LayerSnapshot& s, int r) {
+  const auto& c = *s.config;
+  const int32_t len = s.lengths[size_t(r)];
+  const int dkv = c.kv_lora_rank + c.qk_rope_head_dim, di = c.index_head_dim;
+  const KvRowLayout row = s.kv_desc.row();
+  const int bpt = row.bytes_per_token();
+  RequestKv out{Vec(size_t(len) * dkv), Vec(size_t(len) * di), Vec(static_cast<size_t>(len))};
+  const auto* kv_bytes = s.kv_storage.ptr<const uint8_t>();
+  const auto* ix_bytes = s.index_storage.ptr<const uint8_t>();
+  const int ps = s.index_desc.page_size;
+  for (int32_t p = 0; p < len; ++p) {
+    const int64_t loc = location_of(s.page_tables[size_t(r)], s.kv_desc.page_size, p);
+    decode_kv_row(row, kv_bytes + loc * bpt, s.kv_desc.k_scale, &out.kv[size_t(p) * dkv],
+                  &out.kv[size_t(p) * dkv + c.kv_lora_rank]);
+    const int64_t iloc = location_of(s.page_tables[size_t(r)], ps, p);
+    const uint8_t* page = ix_bytes + (iloc / ps) * s.index_desc.page_bytes();
+    const int slot = int(iloc % ps);
+    for (int j = 0; j < di; ++j) out.idx_k[size_t(p) * di + j] = e4m3_value(page[slot * di + j]);
+    float scale;
+    std::memcpy(&scale, page + int64_t(ps) * di + slot * 4, 4);
+    out.idx_scale[size_t(p)] = scale;
+  }
+  return out;
+}
+
+}  // namespace
+
+LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuery>& queries) {
+  DSAKIT_CHECK_ARG(s.config != nullptr, "layer reference: config is null");
+  const auto& c = *s.config;
+  const int h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim,
+            dc = c.kv_lora_rank, hi = c.index_n_heads, di = c.index_head_dim, k = c.index_topk;
+  const int dkv = dc + dr;
+  const Vec w = to_vec(s.kv_b_proj);
+  std::vector<int64_t> offset(s.lengths.size() + 1, 0);
+  for (size_t r = 0; r < s.lengths.size(); ++r) offset[r + 1] = offset[r] + s.lengths[r];
+
+  std::map<int, RequestKv> cache;
+  for (const auto& q : queries) {
+    DSAKIT_CHECK_ARG(q.request >= 0 && size_t(q.request) < s.lengths.size() && q.pos >= 0 &&
+                         q.pos < s.lengths[size_t(q.request)],
+                     "layer reference: query (", q.request, ", ", q.pos, ") out of range");
+    if (!cache.count(q.request)) cache.emplace(q.request, decode_request(s, q.request));
+  }
+
+  LayerReference out;
+  const size_t nq = queries.size();
+  out.o.assign(nq * h * dv, 0.0);
+  out.lse.assign(nq * h, 0.0);
+  out.selected.resize(nq);
+  const TensorView& qn = s.q_nope;
+  const TensorView& qp = s.q_pe;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t qi = 0; qi < int64_t(nq); ++qi) {
+    const TokenQuery& q = queries[size_t(qi)];
+    const RequestKv& kv = cache.at(q.request);
+    const int64_t row = offset[size_t(q.request)] + q.pos;
+    const int32_t ctx = q.pos + 1;
+    std::vector<int32_t> sel;
+    if (q.all_positions || ctx <= k) {
+      sel.resize(size_t(ctx));
+      std::iota(sel.begin(), sel.end(), 0);
+    } else {
+      // Reference indexer over this token's visible positions.
+      Vec qv(size_t(hi) * di), gate(static_cast<size_t>(hi));
+      std::vector<uint8_t> codes(static_cast<size_t>(di));
+      for (int hh = 0; hh < hi; ++hh) {
+        Vec x(static_cast<size_t>(di));
+        for (int j = 0; j < di; ++j)
+          x[size_t(j)] = load_as_float(s.idx_q, (row * hi + hh) * di + j);
+        double scale = 0;
+        indexer_quantize(x.data(), di, codes.data(), &scale);
+        for (int j = 0; j < di; ++j) qv[size_t(hh) * di + j] = e4m3_value(codes[size_t(j)]);
+        gate[size_t(hh)] = double(load_as_float(s.idx_w, row * hi + hh)) / std::sqrt(double(hi)) /
+                           std::sqrt(double(di)) * scale;
+      }
+      std::vector<int32_t> locs(static_cast<size_t>(ctx));
+      std::iota(locs.begin(), locs.end(), 0);
+      const Vec logits =
+          indexer_logits(qv, gate, kv.idx_k, kv.idx_scale, 1, hi, di, locs, {0}, {ctx}, ctx);
+      const std::vector<int32_t> top = topk(logits, 1, ctx, {ctx}, k);
+      for (int32_t p : top)
+        if (p >= 0) sel.push_back(p);
+    }
+    // Absorbed attention over the selected rows, then V up-projection.
+    for (int hh = 0; hh < h; ++hh) {
+      Vec q576(size_t(dkv), 0.0);
+      for (int j = 0; j < dn; ++j) {
+        const double qj = load_as_float(qn, (row * h + hh) * dn + j);
+        const double* wk = &w[(size_t(hh) * (dn + dv) + j) * dc];
+        for (int d = 0; d < dc; ++d) q576[size_t(d)] += qj * wk[d];
+      }
+      for (int j = 0; j < dr; ++j)
+        q576[size_t(dc + j)] = load_as_float(qp, (row * h + hh) * dr + j);
+      Vec sc(sel.size());
+      double mx = -std::numeric_limits<double>::infinity();
+      for (size_t i = 0; i < sel.size(); ++i) {
+        const double* kr = &kv.kv[size_t(sel[i]) * dkv];
+        double acc = 0;
+        for (int d = 0; d < dkv; ++d) acc += q576[size_t(d)] * kr[d];
+        sc[i] = acc * s.sm_scale;
+        mx = std::max(mx, sc[i]);
+      }
+      double sum = 0;
+      Vec olat(size_t(dc), 0.0);
+      for (size_t i = 0; i < sel.size(); ++i) {
+        const double e = std::exp(sc[i] - mx);
+        sum += e;
+        const double* kr = &kv.kv[size_t(sel[i]) * dkv];
+        for (int d = 0; d < dc; ++d) olat[size_t(d)] += e * kr[d];
+      }
+      out.lse[size_t(qi) * h + hh] =
+          sel.empty() ? std::numeric_limits<double>::infinity() : mx + std::log(sum);
+      for (int j = 0; j < dv; ++j) {
+        const double* wv = &w[(size_t(hh) * (dn + dv) + dn + j) * dc];
+        double acc = 0;
+        for (int d = 0; d < dc; ++d) acc += wv[d] * olat[size_t(d)];
+        out.o[(size_t(qi) * h + hh) * dv + j] = sel.empty() ? 0.0 : acc / sum;
+      }
+    }
+    out.selected[size_t(qi)] = std::move(sel);
+  }
+  return out;
+}
+
+}  // namespace dsakit::reference

@@ -1,0 +1,45 @@
+// float64 reference of whole layer outputs for chosen tokens, read back from pool snapshots
+// (DESIGN.md §3, §9): the KV a token attends to is decoded from the pool bytes by the
+// reference's own decoder, the top-k comes from the reference indexer over the index-key pool.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dsakit/config.h"
+#include "dsakit/pool.h"
+#include "dsakit/tensor.h"
+#include "src/reference/reference.h"
+
+namespace dsakit::reference {
+
+struct LayerSnapshot {
+  const ModelConfig* config = nullptr;
+  double sm_scale = 0;
+  // Host tensors over every position of every request (row offset(r) + p), as TokenStore.
+  std::vector<int32_t> lengths;
+  TensorView q_nope, q_pe, idx_q, idx_w;  // [rows, ...]
+  TensorView kv_b_proj;                   // bf16 [H*(d_nope+d_v), d_c]
+  // Host copies of the pools after the run, and each request's page table.
+  KvPoolDesc kv_desc;
+  TensorView kv_storage;  // u8 [locations, bytes_per_token]
+  IndexKeyPoolDesc index_desc;
+  TensorView index_storage;  // u8 [pages, page_bytes]
+  std::vector<std::vector<int32_t>> page_tables;
+};
+
+struct TokenQuery {
+  int request = 0;
+  int32_t pos = 0;
+  bool all_positions = false;  // attend to every visible position (dense path), else top-k
+};
+
+struct LayerReference {
+  Vec o;                                       // [queries, H, d_v]
+  Vec lse;                                     // [queries, H]
+  std::vector<std::vector<int32_t>> selected;  // positions attended, ascending, per query
+};
+
+LayerReference layer_outputs(const LayerSnapshot& snap, const std::vector<TokenQuery>& queries);
+
+}  // namespace dsakit::reference

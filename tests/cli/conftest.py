@@ -1,0 +1,36 @@
+"""Fixtures for the command-line tests: the dsakit binary in $DSAKIT_BUILD_DIR (default build/)."""
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def dsakit() -> pathlib.Path:
+    build = pathlib.Path(os.environ.get("DSAKIT_BUILD_DIR", "build"))
+    if not build.is_absolute():
+        build = REPO / build
+    path = build / "bin" / "dsakit"
+    if not path.exists():
+        pytest.fail(f"{path} not found: build the target dsakit_cli or set DSAKIT_BUILD_DIR")
+    return path
+
+
+@pytest.fixture
+def run(dsakit):
+    """run(*args) -> CompletedProcess; never a signal (a crash fails the test)."""
+
+    def _run(*args, timeout=600):
+        env = dict(os.environ)
+        env.pop("DSAKIT_DISPATCH", None)
+        env.pop("DSAKIT_DENSE_KV_LEN_THRESHOLD", None)
+        p = subprocess.run([str(dsakit), *map(str, args)], capture_output=True, text=True,
+                           timeout=timeout, env=env)
+        assert p.returncode >= 0, f"dsakit died by signal {-p.returncode}: {p.stderr}"
+        assert "Traceback" not in p.stderr and "terminate called" not in p.stderr, p.stderr
+        return p
+
+    return _run

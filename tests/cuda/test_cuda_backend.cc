@@ -1,0 +1,629 @@
+// The CUDA backend against the CPU backend (bit-exact for pool bytes, gathers and top-k) and the
+// float64 reference (GEMMs, logits, merge), plus what only a GPU backend has: determinism,
+// workspace reuse, user streams and CUDA-graph capture. Skipped without a CUDA device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "dsakit/backend.h"
+#include "dsakit/error.h"
+#include "src/cuda/cuda_backend.h"
+#include "src/reference/reference.h"
+#include "tests/common/test_util.h"
+
+namespace dsakit {
+namespace {
+
+using testing::Rng;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+#define ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+Tensor host_i32(const std::vector<int32_t>& v, std::vector<int64_t> shape = {}) {
+  if (shape.empty()) shape = {int64_t(v.size())};
+  Tensor t = Tensor::host(DType::kI32, shape);
+  std::copy(v.begin(), v.end(), t.ptr<int32_t>());
+  return t;
+}
+
+std::vector<int32_t> i32_values(const Tensor& host) {
+  return std::vector<int32_t>(host.ptr<const int32_t>(), host.ptr<const int32_t>() + host.numel());
+}
+
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.view().data, b.view().data, a.nbytes()) == 0;
+}
+
+// n distinct locations in [0, num_locations), in random order.
+std::vector<int32_t> distinct_locations(Rng& rng, int64_t n, int64_t num_locations) {
+  std::vector<int32_t> all(static_cast<size_t>(num_locations));
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng.gen());
+  all.resize(size_t(n));
+  return all;
+}
+
+// bf16 [rows, cols] whose 128-value tiles have different magnitudes (normal, x100, x1e-6, zero,
+// x3000), so FP8 scales differ tile by tile, including the amax floors.
+Tensor tiled_bf16(Rng& rng, int64_t rows, int64_t cols) {
+  Tensor t = testing::random_tensor(rng, DType::kBF16, {rows, cols});
+  const float factors[] = {1.f, 100.f, 1e-6f, 0.f, 3000.f};
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c0 = 0; c0 < cols; c0 += 128) {
+      const float f = factors[rng.randint(0, 4)];
+      for (int64_t c = c0; c < std::min(cols, c0 + 128); ++c) {
+        bf16_t& v = t.ptr<bf16_t>()[r * cols + c];
+        v = f32_to_bf16(bf16_to_f32(v) * f);
+      }
+    }
+  return t;
+}
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    seed_ = testing::fresh_seed();
+    rng_ = std::make_unique<Rng>(seed_);
+    gpu_ = make_cuda_backend(0);
+    cpu_ = make_cpu_backend();
+  }
+  std::string trace() const { return "seed " + std::to_string(seed_); }
+  cuda::CudaBackend& cuda() { return dynamic_cast<cuda::CudaBackend&>(*gpu_); }
+  Rng& rng() { return *rng_; }
+
+  Tensor poisoned(DType dtype, const std::vector<int64_t>& shape) {
+    Tensor t = gpu_->empty(dtype, shape);
+    gpu_->poison(t.view());
+    return t;
+  }
+
+  uint64_t seed_ = 0;
+  std::unique_ptr<Rng> rng_;
+  std::unique_ptr<Backend> gpu_, cpu_;
+};
+
+struct PoolCase {
+  KvLayout layout;
+  ScalePolicy policy;
+  float k_scale;
+  int page_size;
+};
+
+std::string name_of(const PoolCase& c) {
+  return std::string(to_string(c.layout)) + "/" + to_string(c.policy) + "/page " +
+         std::to_string(c.page_size);
+}
+
+const std::vector<PoolCase> kPoolCases = {
+    {KvLayout::kBf16, ScalePolicy::kAmax, 1.f, 64},
+    {KvLayout::kFp8Scaled, ScalePolicy::kAmax, 1.f, 64},
+    {KvLayout::kFp8Scaled, ScalePolicy::kPow2, 1.f, 1},
+    {KvLayout::kFp8Raw, ScalePolicy::kAmax, 0.37f, 64},
+};
+
+// ---- capabilities -------------------------------------------------------------------------
+
+TEST_F(CudaBackendTest, CapabilitiesAndDeviceChoice) {
+  const Capabilities& caps = gpu_->capabilities();
+  EXPECT_EQ(caps.device, Device::kCuda);
+  EXPECT_EQ(caps.sm_arch, 90);
+  EXPECT_TRUE(caps.dense_mha);
+  EXPECT_EQ(caps.intermediate_dtype, DType::kBF16);
+  EXPECT_FALSE(caps.device_name.empty());
+  EXPECT_TRUE(cuda_backend_compiled());
+  try {
+    make_cuda_backend(cuda_device_count());
+    ADD_FAILURE() << "a missing device index was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
+  }
+}
+
+// ---- pool -----------------------------------------------------------------------------------
+
+TEST_F(CudaBackendTest, StoreAndGatherAreBitIdenticalToCpu) {
+  SCOPED_TRACE(trace());
+  for (const PoolCase& c : kPoolCases) {
+    SCOPED_TRACE(name_of(c));
+    KvPoolDesc desc;
+    desc.layout = c.layout;
+    desc.page_size = c.page_size;
+    desc.num_pages = 256 / c.page_size;
+    desc.scale_policy = c.policy;
+    desc.k_scale = c.k_scale;
+    const int64_t n = 150;
+    const std::vector<int32_t> locs = distinct_locations(rng(), n, desc.num_locations());
+    const Tensor c_kv = tiled_bf16(rng(), n, desc.d_c);
+    Tensor k_pe = testing::random_tensor(rng(), DType::kBF16, {n, desc.d_rope});
+    // NaN and inf propagate to their own token only, with the CPU backend's NaN bytes.
+    k_pe.ptr<bf16_t>()[5] = f32_to_bf16(kNaN);
+    c_kv.ptr<bf16_t>()[7 * desc.d_c + 300] = f32_to_bf16(-kInf);
+    c_kv.ptr<bf16_t>()[9 * desc.d_c + 20] = f32_to_bf16(kNaN);
+
+    PagedKvPool gpu_pool = gpu_->make_kv_pool(desc), cpu_pool = cpu_->make_kv_pool(desc);
+    gpu_->store_kv(gpu_pool, gpu_->to_device(host_i32(locs)), gpu_->to_device(c_kv),
+                   gpu_->to_device(k_pe));
+    cpu_->store_kv(cpu_pool, host_i32(locs), c_kv, k_pe);
+    const Tensor gpu_bytes = gpu_->to_host(gpu_pool.storage());
+    EXPECT_TRUE(same_bytes(gpu_bytes, cpu_->to_host(cpu_pool.storage())));
+    EXPECT_NE(testing::checksum(gpu_bytes), testing::checksum(Tensor::host(DType::kU8, {1})));
+
+    // Gather every location of the pool (written or not) plus a permutation, in each dtype pair.
+    std::vector<int32_t> read(size_t(desc.num_locations()));
+    std::iota(read.begin(), read.end(), 0);
+    std::shuffle(read.begin(), read.end(), rng().gen());
+    const int64_t m = int64_t(read.size());
+    for (DType c_dtype : {DType::kBF16, DType::kF32}) {
+      for (DType r_dtype : {DType::kBF16, DType::kF32}) {
+        SCOPED_TRACE(std::string(to_string(c_dtype)) + "/" + to_string(r_dtype));
+        const Tensor gc = poisoned(c_dtype, {m, desc.d_c}),
+                     gr = poisoned(r_dtype, {m, desc.d_rope});
+        gpu_->gather_kv(gpu_pool, gpu_->to_device(host_i32(read)), gc, gr);
+        Tensor cc = Tensor::host(c_dtype, {m, desc.d_c}),
+               cr = Tensor::host(r_dtype, {m, desc.d_rope});
+        cpu_->gather_kv(cpu_pool, host_i32(read), cc, cr);
+        EXPECT_TRUE(same_bytes(gpu_->to_host(gc), cc));
+        EXPECT_TRUE(same_bytes(gpu_->to_host(gr), cr));
+      }
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, IndexKeysAreBitIdenticalToCpu) {
+  SCOPED_TRACE(trace());
+  for (int page_size : {1, 64}) {
+    const IndexKeyPoolDesc desc{page_size, 192 / page_size, 128};
+    const int64_t n = 100;
+    const std::vector<int32_t> locs = distinct_locations(rng(), n, desc.num_locations());
+    const Tensor keys = tiled_bf16(rng(), n, desc.d_i);
+    IndexKeyPool gpu_pool = gpu_->make_index_pool(desc), cpu_pool = cpu_->make_index_pool(desc);
+    gpu_->store_index_keys(gpu_pool, gpu_->to_device(host_i32(locs)), gpu_->to_device(keys));
+    cpu_->store_index_keys(cpu_pool, host_i32(locs), keys);
+    EXPECT_TRUE(same_bytes(gpu_->to_host(gpu_pool.storage()), cpu_->to_host(cpu_pool.storage())))
+        << "page_size " << page_size;
+  }
+}
+
+TEST_F(CudaBackendTest, RejectedStoreNamesTheArgumentAndWritesNothing) {
+  SCOPED_TRACE(trace());
+  KvPoolDesc desc;
+  desc.layout = KvLayout::kFp8Scaled;
+  desc.num_pages = 2;
+  PagedKvPool pool = gpu_->make_kv_pool(desc);
+  const int64_t n = 4;
+  const Tensor c_kv = gpu_->to_device(tiled_bf16(rng(), n, desc.d_c));
+  const Tensor k_pe =
+      gpu_->to_device(testing::random_tensor(rng(), DType::kBF16, {n, desc.d_rope}));
+  gpu_->store_kv(pool, gpu_->to_device(host_i32({0, 1, 2, 3})), c_kv, k_pe);
+  const uint64_t before = testing::checksum(gpu_->to_host(pool.storage()));
+  auto expect_rejected = [&](const std::vector<int32_t>& locs, const TensorView& c,
+                             const std::string& arg) {
+    try {
+      gpu_->store_kv(pool, gpu_->to_device(host_i32(locs)), c, k_pe);
+      ADD_FAILURE() << "accepted a bad " << arg;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(arg), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(testing::checksum(gpu_->to_host(pool.storage())), before);
+  };
+  expect_rejected({5, 6, 128, 7}, c_kv, "locs");  // 128 == num_locations
+  expect_rejected({5, -1, 8, 7}, c_kv, "locs");
+  expect_rejected({5, 6, 5, 7}, c_kv, "locs");  // duplicate
+  const Tensor c_f32 = gpu_->empty(DType::kF32, {n, desc.d_c});
+  expect_rejected({5, 6, 8, 7}, c_f32, "c_kv");
+  const Tensor host_c = tiled_bf16(rng(), n, desc.d_c);
+  expect_rejected({5, 6, 8, 7}, host_c, "c_kv");  // a host tensor on the cuda backend
+}
+
+TEST_F(CudaBackendTest, KernelsSkipOutOfRangeLocationsWithoutHostChecks) {
+  SCOPED_TRACE(trace());
+  KvPoolDesc desc;
+  desc.layout = KvLayout::kFp8Scaled;
+  desc.num_pages = 1;
+  PagedKvPool pool = gpu_->make_kv_pool(desc);
+  cuda().options().host_value_checks = false;
+  const int64_t n = 3;
+  const std::vector<int32_t> locs = {2, 1 << 30, -7};
+  gpu_->store_kv(pool, gpu_->to_device(host_i32(locs)),
+                 gpu_->to_device(tiled_bf16(rng(), n, desc.d_c)),
+                 gpu_->to_device(testing::random_tensor(rng(), DType::kBF16, {n, desc.d_rope})));
+  const Tensor c = poisoned(DType::kF32, {n, desc.d_c}),
+               r = poisoned(DType::kF32, {n, desc.d_rope});
+  gpu_->gather_kv(pool, gpu_->to_device(host_i32(locs)), c, r);
+  const Tensor ch = gpu_->to_host(c);
+  for (int64_t i = 1; i < n; ++i)  // invalid locations gather as zeros
+    for (int64_t e = 0; e < desc.d_c; ++e) ASSERT_EQ(ch.ptr<float>()[i * desc.d_c + e], 0.f);
+  // Only location 2's row changed.
+  const Tensor bytes = gpu_->to_host(pool.storage());
+  const int bpt = desc.bytes_per_token();
+  for (int64_t loc = 0; loc < desc.num_locations(); ++loc) {
+    if (loc == 2) continue;
+    const uint8_t* row = bytes.ptr<const uint8_t>() + loc * bpt;
+    ASSERT_TRUE(std::all_of(row, row + bpt, [](uint8_t b) { return b == 0; })) << "loc " << loc;
+  }
+}
+
+// ---- indexer --------------------------------------------------------------------------------
+
+TEST_F(CudaBackendTest, TopkIsBitIdenticalToCpuOnWideRows) {
+  SCOPED_TRACE(trace());
+  for (const auto& [width, k] : {std::pair<int64_t, int>{70000, 2048}, {3000, 512}, {300, 1}}) {
+    SCOPED_TRACE("width " + std::to_string(width) + " k " + std::to_string(k));
+    const int64_t rows = 5;
+    Tensor logits = Tensor::host(DType::kF32, {rows, width});
+    std::vector<int32_t> ctx = {int32_t(width), int32_t(width) - 17, k, k + 1, 0};
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t p = 0; p < width; ++p) {
+        float v = rng().normal();
+        if (r == 1) v = std::round(v * 4.f) / 4.f;  // many ties at the threshold
+        if (p % 97 == 3) v = kNaN;
+        if (p % 101 == 5) v = -kInf;
+        if (p % 89 == 7) v = (p & 1) ? 0.f : -0.f;
+        logits.ptr<float>()[r * width + p] = v;
+      }
+    const Tensor out = gpu_->empty(DType::kI32, {rows, k});
+    gpu_->fill_bytes(out.view(), 0x5A);
+    gpu_->topk(gpu_->to_device(logits), gpu_->to_device(host_i32(ctx)), k, out);
+    Tensor want = Tensor::host(DType::kI32, {rows, k});
+    cpu_->topk(logits, host_i32(ctx), k, want);
+    EXPECT_EQ(i32_values(gpu_->to_host(out)), i32_values(want));
+    EXPECT_EQ(i32_values(want),
+              reference::topk(reference::to_vec(logits.view()), rows, width, ctx, k));
+  }
+}
+
+// A single request of `ctx` positions whose keys sit in an index-key pool on the GPU.
+struct IndexerScene {
+  IndexKeyPool pool;
+  Tensor idx_q, idx_w;                // host
+  Tensor kv_locs, kv_start, ctx_len;  // device
+  std::vector<int32_t> ctx_host;
+  IndexerArgs layout() const {
+    IndexerArgs a;
+    a.keys = &pool;
+    a.kv_locs = kv_locs.view();
+    a.kv_start = kv_start.view();
+    a.ctx_len = ctx_len.view();
+    return a;
+  }
+};
+
+IndexerScene make_indexer_scene(Backend& be, Rng& rng, int prefix, int extend, int h_i) {
+  IndexerScene s;
+  const int d_i = 128, page = 64, total = prefix + extend;
+  const int64_t pages = (total + page - 1) / page + 2;
+  s.pool = be.make_index_pool({page, pages, d_i});
+  const std::vector<int32_t> locs = distinct_locations(rng, total, pages * page);
+  be.store_index_keys(s.pool, be.to_device(host_i32(locs)),
+                      be.to_device(tiled_bf16(rng, total, d_i)));
+  s.idx_q = testing::random_tensor(rng, DType::kBF16, {extend, h_i, d_i});
+  s.idx_w = testing::random_tensor(rng, DType::kF32, {extend, h_i});
+  for (int i = 0; i < extend; ++i) s.ctx_host.push_back(prefix + i + 1);
+  s.kv_locs = be.to_device(host_i32(locs));
+  s.kv_start = be.to_device(host_i32(std::vector<int32_t>(size_t(extend), 0)));
+  s.ctx_len = be.to_device(host_i32(s.ctx_host));
+  return s;
+}
+
+TEST_F(CudaBackendTest, IndexerTopkEqualsTopkOfItsLogitsInEveryChunking) {
+  SCOPED_TRACE(trace());
+  const int k = 64, extend = 40, prefix = 300, h_i = 64;
+  const IndexerScene s = make_indexer_scene(*gpu_, rng(), prefix, extend, h_i);
+  const Tensor idx_q = gpu_->to_device(s.idx_q), idx_w = gpu_->to_device(s.idx_w);
+  auto run = [&] {
+    const Tensor out = poisoned(DType::kI32, {extend, k});
+    gpu_->indexer_topk(idx_q, idx_w, s.layout(), k, out);
+    return i32_values(gpu_->to_host(out));
+  };
+  const std::vector<int32_t> whole = run();
+  for (size_t chunk : {size_t(1), size_t(3) * (h_i * 132 + 4 * (prefix + extend))}) {
+    cuda().options().indexer_chunk_bytes = chunk;  // one row, then three rows per chunk
+    EXPECT_EQ(run(), whole) << "chunk bytes " << chunk;
+  }
+  EXPECT_EQ(run(), whole) << "second run";  // determinism
+
+  // The same selection from the op-by-op path.
+  IndexerArgs a = s.layout();
+  const Tensor q8 = poisoned(DType::kU8, {extend, h_i, 128}),
+               gate = poisoned(DType::kF32, {extend, h_i});
+  gpu_->indexer_quantize_q(idx_q, idx_w, q8, gate);
+  a.q8 = q8.view();
+  a.gate = gate.view();
+  const int64_t width = prefix + extend;
+  const Tensor logits = poisoned(DType::kF32, {extend, width});
+  gpu_->indexer_logits(a, 0, extend, logits);
+  const Tensor out = poisoned(DType::kI32, {extend, k});
+  gpu_->topk(logits, s.ctx_len, k, out);
+  EXPECT_EQ(i32_values(gpu_->to_host(out)), whole);
+
+  // Logits against float64 from the same codes and scales; q8 and gate bit-identical to CPU.
+  Tensor q8_cpu = Tensor::host(DType::kU8, {extend, h_i, 128});
+  Tensor gate_cpu = Tensor::host(DType::kF32, {extend, h_i});
+  cpu_->indexer_quantize_q(s.idx_q, s.idx_w, q8_cpu, gate_cpu);
+  EXPECT_TRUE(same_bytes(gpu_->to_host(q8), q8_cpu));
+  EXPECT_TRUE(same_bytes(gpu_->to_host(gate), gate_cpu));
+  const Tensor keys = gpu_->to_host(s.pool.storage());
+  const IndexKeyPoolDesc& kd = s.pool.desc();
+  reference::Vec q(size_t(q8_cpu.numel())), k_val(size_t(kd.num_locations() * kd.d_i)),
+      k_scale(size_t(kd.num_locations()));
+  for (int64_t i = 0; i < q8_cpu.numel(); ++i)
+    q[size_t(i)] = reference::e4m3_value(q8_cpu.ptr<uint8_t>()[i]);
+  for (int64_t loc = 0; loc < kd.num_locations(); ++loc) {
+    const uint8_t* page = keys.ptr<const uint8_t>() + (loc / kd.page_size) * kd.page_bytes();
+    const int64_t slot = loc % kd.page_size;
+    for (int e = 0; e < kd.d_i; ++e)
+      k_val[size_t(loc * kd.d_i + e)] = reference::e4m3_value(page[slot * kd.d_i + e]);
+    float sc;
+    std::memcpy(&sc, page + int64_t(kd.page_size) * kd.d_i + 4 * slot, 4);
+    k_scale[size_t(loc)] = sc;
+  }
+  const reference::Vec ref =
+      reference::indexer_logits(q, reference::to_vec(gate_cpu.view()), k_val, k_scale, extend, h_i,
+                                kd.d_i, i32_values(gpu_->to_host(s.kv_locs)),
+                                std::vector<int32_t>(size_t(extend), 0), s.ctx_host, width);
+  const std::vector<double> got = testing::to_double(gpu_->to_host(logits));
+  std::vector<double> got_finite, ref_finite;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isinf(ref[i])) {
+      EXPECT_EQ(got[i], ref[i]) << "entry " << i;
+      continue;
+    }
+    got_finite.push_back(got[i]);
+    ref_finite.push_back(ref[i]);
+  }
+  EXPECT_LE(testing::rel_l2(got_finite, ref_finite), testing::kTolF32);
+}
+
+TEST_F(CudaBackendTest, PositionsToLocationsMatchesCpu) {
+  SCOPED_TRACE(trace());
+  const int64_t t = 6, k = 8, n_kv = 50;
+  std::vector<int32_t> locs(n_kv), pos(size_t(t * k)), start(t), ctx(t);
+  for (auto& l : locs) l = int32_t(rng().randint(0, 1000));
+  for (int64_t i = 0; i < t; ++i) {
+    start[size_t(i)] = int32_t(rng().randint(0, 20));
+    ctx[size_t(i)] = int32_t(rng().randint(0, n_kv - start[size_t(i)]));
+  }
+  for (auto& p : pos) p = int32_t(rng().randint(-2, 40));
+  const Tensor out = poisoned(DType::kI32, {t, k});
+  gpu_->positions_to_locations(gpu_->to_device(host_i32(pos, {t, k})),
+                               gpu_->to_device(host_i32(locs)), gpu_->to_device(host_i32(start)),
+                               gpu_->to_device(host_i32(ctx)), out);
+  Tensor want = Tensor::host(DType::kI32, {t, k});
+  cpu_->positions_to_locations(host_i32(pos, {t, k}), host_i32(locs), host_i32(start),
+                               host_i32(ctx), want);
+  EXPECT_EQ(i32_values(gpu_->to_host(out)), i32_values(want));
+}
+
+// ---- projections ----------------------------------------------------------------------------
+
+struct ProjectionCase {
+  DType in, out;
+  double tol;
+};
+
+TEST_F(CudaBackendTest, ProjectionsMatchReference) {
+  SCOPED_TRACE(trace());
+  const int64_t t = 37, n = 45;
+  const int h = 3, dn = 128, dv = 128, dc = 512;
+  const Tensor w = testing::random_tensor(rng(), DType::kBF16, {h * (dn + dv), dc}, 0.05f);
+  const Tensor wd = gpu_->to_device(w);
+  const reference::Vec wv = reference::to_vec(w.view());
+  for (const ProjectionCase& c : {ProjectionCase{DType::kBF16, DType::kBF16, testing::kTolBf16},
+                                  ProjectionCase{DType::kBF16, DType::kF32, 1e-5},
+                                  ProjectionCase{DType::kF32, DType::kF32, testing::kTolF32},
+                                  ProjectionCase{DType::kF32, DType::kBF16, testing::kTolBf16}}) {
+    SCOPED_TRACE(std::string(to_string(c.in)) + " -> " + to_string(c.out));
+    const Tensor q_nope = testing::random_tensor(rng(), c.in, {t, h, dn});
+    const Tensor q_abs = poisoned(c.out, {t, h, dc});
+    gpu_->absorb_q(gpu_->to_device(q_nope), wd, dv, q_abs);
+    EXPECT_LE(testing::rel_l2(
+                  testing::to_double(gpu_->to_host(q_abs)),
+                  reference::absorb_q(reference::to_vec(q_nope.view()), wv, t, h, dn, dv, dc)),
+              c.tol);
+
+    const Tensor o_lat = testing::random_tensor(rng(), c.in, {t, h, dc});
+    const Tensor o = poisoned(c.out, {t, h, dv});
+    gpu_->up_proj_v(gpu_->to_device(o_lat), wd, dn, o);
+    EXPECT_LE(testing::rel_l2(
+                  testing::to_double(gpu_->to_host(o)),
+                  reference::up_proj_v(reference::to_vec(o_lat.view()), wv, t, h, dn, dv, dc)),
+              c.tol);
+
+    const Tensor c_kv = testing::random_tensor(rng(), c.in, {n, dc});
+    const Tensor k_nope = poisoned(c.out, {n, h, dn}), v = poisoned(c.out, {n, h, dv});
+    gpu_->up_proj_kv(gpu_->to_device(c_kv), wd, k_nope, v);
+    reference::Vec k_ref, v_ref;
+    reference::up_proj_kv(reference::to_vec(c_kv.view()), wv, n, h, dn, dv, dc, k_ref, v_ref);
+    EXPECT_LE(testing::rel_l2(testing::to_double(gpu_->to_host(k_nope)), k_ref), c.tol);
+    EXPECT_LE(testing::rel_l2(testing::to_double(gpu_->to_host(v)), v_ref), c.tol);
+  }
+}
+
+// ---- merge ----------------------------------------------------------------------------------
+
+TEST_F(CudaBackendTest, MergePartialsMatchesFloat64) {
+  SCOPED_TRACE(trace());
+  const int64_t parts = 3, t = 5, h = 4, d = 64;
+  Tensor o_parts = testing::random_tensor(rng(), DType::kF32, {parts, t, h, d});
+  Tensor lse_parts = testing::random_tensor(rng(), DType::kF32, {parts, t, h}, 3.f);
+  lse_parts.ptr<float>()[0 * t * h + 1] = kInf;  // part 0 of row 1 saw no key
+  for (int64_t w = 0; w < parts; ++w) lse_parts.ptr<float>()[w * t * h + 2] = kInf;  // row 2: none
+  const Tensor o = poisoned(DType::kF32, {t, h, d}), lse = poisoned(DType::kF32, {t, h});
+  gpu_->merge_partials(gpu_->to_device(o_parts), gpu_->to_device(lse_parts), o, lse);
+  std::vector<double> o_ref(size_t(t * h * d), 0.0), lse_ref(size_t(t * h));
+  for (int64_t r = 0; r < t * h; ++r) {
+    double m = -kInf;
+    for (int64_t w = 0; w < parts; ++w) {
+      const double l = lse_parts.ptr<float>()[w * t * h + r];
+      if (!std::isinf(l)) m = std::max(m, l);
+    }
+    if (std::isinf(m)) {
+      lse_ref[size_t(r)] = kInf;
+      continue;
+    }
+    double sum = 0;
+    for (int64_t w = 0; w < parts; ++w) {
+      const double l = lse_parts.ptr<float>()[w * t * h + r];
+      if (!std::isinf(l)) sum += std::exp(l - m);
+    }
+    lse_ref[size_t(r)] = m + std::log(sum);
+    for (int64_t w = 0; w < parts; ++w) {
+      const double l = lse_parts.ptr<float>()[w * t * h + r];
+      if (std::isinf(l)) continue;
+      for (int64_t e = 0; e < d; ++e)
+        o_ref[size_t(r * d + e)] +=
+            std::exp(l - lse_ref[size_t(r)]) * o_parts.ptr<float>()[(w * t * h + r) * d + e];
+    }
+  }
+  const std::vector<double> o_got = testing::to_double(gpu_->to_host(o));
+  EXPECT_LE(testing::rel_l2(o_got, o_ref), testing::kTolF32);
+  EXPECT_LE(testing::max_abs_diff(testing::to_double(gpu_->to_host(lse)), lse_ref),
+            testing::kTolLse);
+  for (int64_t e = 0; e < d; ++e) ASSERT_EQ(o_got[size_t(2 * d + e)], 0.0) << "row 2 has no part";
+}
+
+// ---- streams, workspace, graphs -------------------------------------------------------------
+
+// One sparse-path forward's CUDA-backend ops on fixed device buffers: pool store, index-key
+// store, indexer top-k and q absorption.
+struct ForwardBuffers {
+  PagedKvPool kv;
+  IndexerScene indexer;
+  Tensor locs, c_kv, k_pe, idx_k, idx_q, idx_w, topk_out, q_nope, w, q_abs;
+  int k = 32;
+
+  void run(Backend& be) const {
+    PagedKvPool pool = kv;  // shares the storage
+    IndexKeyPool keys = indexer.pool;
+    be.store_kv(pool, locs, c_kv, k_pe);
+    be.store_index_keys(keys, locs, idx_k);
+    be.indexer_topk(idx_q, idx_w, indexer.layout(), k, topk_out);
+    be.absorb_q(q_nope, w, 128, q_abs);
+  }
+};
+
+ForwardBuffers make_forward(Backend& be, Rng& rng) {
+  ForwardBuffers f;
+  const int extend = 24, prefix = 100, h = 4;
+  f.indexer = make_indexer_scene(be, rng, prefix, extend, 32);
+  KvPoolDesc desc;
+  desc.layout = KvLayout::kFp8Scaled;
+  desc.num_pages = 4;
+  f.kv = be.make_kv_pool(desc);
+  f.locs = be.to_device(host_i32(distinct_locations(rng, extend, desc.num_locations())));
+  f.c_kv = be.to_device(tiled_bf16(rng, extend, desc.d_c));
+  f.k_pe = be.to_device(testing::random_tensor(rng, DType::kBF16, {extend, desc.d_rope}));
+  f.idx_k = be.to_device(tiled_bf16(rng, extend, 128));
+  f.idx_q = be.to_device(f.indexer.idx_q);
+  f.idx_w = be.to_device(f.indexer.idx_w);
+  f.topk_out = be.empty(DType::kI32, {extend, f.k});
+  f.q_nope = be.to_device(testing::random_tensor(rng, DType::kBF16, {extend, h, 128}));
+  f.w = be.to_device(testing::random_tensor(rng, DType::kBF16, {h * 256, 512}, 0.05f));
+  f.q_abs = be.empty(DType::kBF16, {extend, h, 512});
+  return f;
+}
+
+struct ForwardResult {
+  Tensor kv, keys, topk, q_abs;
+};
+
+ForwardResult read_back(Backend& be, const ForwardBuffers& f) {
+  return {be.to_host(f.kv.storage()), be.to_host(f.indexer.pool.storage()), be.to_host(f.topk_out),
+          be.to_host(f.q_abs)};
+}
+
+void expect_same(const ForwardResult& a, const ForwardResult& b) {
+  EXPECT_TRUE(same_bytes(a.kv, b.kv)) << "kv pool";
+  EXPECT_TRUE(same_bytes(a.keys, b.keys)) << "index-key pool";
+  EXPECT_TRUE(same_bytes(a.topk, b.topk)) << "top-k";
+  EXPECT_TRUE(same_bytes(a.q_abs, b.q_abs)) << "q_abs";
+}
+
+TEST_F(CudaBackendTest, DeterministicAndNoAllocationWhenWarm) {
+  SCOPED_TRACE(trace());
+  const ForwardBuffers f = make_forward(*gpu_, rng());
+  f.run(*gpu_);
+  const ForwardResult first = read_back(*gpu_, f);
+  const cuda::MemoryStats warm = cuda().memory_stats();
+  for (int i = 0; i < 3; ++i) {
+    f.run(*gpu_);
+    expect_same(read_back(*gpu_, f), first);
+    // Fresh outputs of the same shapes come from the arena's cache.
+    const Tensor scratch = gpu_->empty(DType::kF32, {24, 4, 512});
+    gpu_->poison(scratch.view());
+  }
+  const cuda::MemoryStats after = cuda().memory_stats();
+  EXPECT_LE(after.device_mallocs, warm.device_mallocs + 1) << "one arena block for `scratch`";
+  EXPECT_EQ(after.workspace_bytes, warm.workspace_bytes);
+}
+
+TEST_F(CudaBackendTest, RunsOnACallerStream) {
+  SCOPED_TRACE(trace());
+  const ForwardBuffers f = make_forward(*gpu_, rng());
+  f.run(*gpu_);
+  const ForwardResult own_stream = read_back(*gpu_, f);
+  cudaStream_t stream = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda().set_stream(stream);
+  EXPECT_EQ(cuda().stream(), stream);
+  f.run(*gpu_);
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  expect_same(read_back(*gpu_, f), own_stream);
+  cuda().set_stream(nullptr);
+  ASSERT_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST_F(CudaBackendTest, SparseForwardOpsCaptureIntoACudaGraph) {
+  SCOPED_TRACE(trace());
+  ForwardBuffers f = make_forward(*gpu_, rng());
+  cudaStream_t stream = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda().set_stream(stream);
+  f.run(*gpu_);  // warm-up: workspace and cuBLAS settle
+  gpu_->synchronize();
+  const cuda::MemoryStats warm = cuda().memory_stats();
+
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  f.run(*gpu_);  // no host sync, no allocation: value checks are skipped while capturing
+  ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  EXPECT_EQ(cuda().memory_stats().device_mallocs, warm.device_mallocs);
+
+  // New inputs in the same buffers, then replay; compare with an eager run on those inputs.
+  const Tensor new_c = tiled_bf16(rng(), f.c_kv.size(0), f.c_kv.size(1));
+  const Tensor new_q = testing::random_tensor(
+      rng(), DType::kBF16, {f.q_nope.size(0), f.q_nope.size(1), f.q_nope.size(2)});
+  gpu_->copy(f.c_kv, new_c);
+  gpu_->copy(f.q_nope, new_q);
+  gpu_->poison(f.q_abs.view());
+  gpu_->fill_bytes(f.topk_out.view(), 0x5A);
+  ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  const ForwardResult replayed = read_back(*gpu_, f);
+  gpu_->poison(f.q_abs.view());
+  f.run(*gpu_);
+  expect_same(replayed, read_back(*gpu_, f));
+
+  ASSERT_CUDA(cudaGraphExecDestroy(exec));
+  ASSERT_CUDA(cudaGraphDestroy(graph));
+  cuda().set_stream(nullptr);
+  ASSERT_CUDA(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+}  // namespace dsakit

@@ -1,0 +1,470 @@
+// The layer end to end on every backend under test (DESIGN.md §3.6, §6, §8): dense == sparse
+// where exact, chunked == one-shot (with a path switch), prefix hit == fresh, decode, DCP
+// == single rank, agreement with the float64 layer reference, and rejected calls that leave the
+// pools untouched.
+#include <cmath>
+#include <limits>
+#include <memory>
+
+#include "dsakit/dcp.h"
+#include "dsakit/driver.h"
+#include "dsakit/error.h"
+#include "src/reference/layer_reference.h"
+#include "tests/common/test_util.h"
+
+namespace dsakit {
+namespace {
+
+using testing::fresh_seed;
+
+ModelConfig small_topk(ModelConfig c, int k) {
+  c.index_topk = k;
+  return c;
+}
+
+// One layer over fresh pools, with deterministic inputs for `lengths`.
+struct Harness {
+  ModelConfig cfg;
+  std::unique_ptr<Backend> be;
+  KvPoolDesc kd;
+  PagedKvPool kv;
+  IndexKeyPool ix;
+  Tensor w_host, w;
+  TokenStore tokens;
+  std::vector<std::vector<int32_t>> tables;
+  std::unique_ptr<DsaAttention> layer;
+
+  Harness(const ModelConfig& c, const std::string& backend, KvLayout layout, int page_size,
+          const std::vector<int32_t>& lengths, uint64_t seed, DispatchMode mode,
+          DType out = DType::kF32)
+      : cfg(c), be(make_backend(backend)) {
+    kd.layout = layout;
+    kd.page_size = page_size;
+    kd.d_c = c.kv_lora_rank;
+    kd.d_rope = c.qk_rope_head_dim;
+    int64_t pages = 2;
+    for (int32_t l : lengths) pages += (l + page_size - 1) / page_size;
+    kd.num_pages = pages;
+    kv = be->make_kv_pool(kd);
+    ix = be->make_index_pool({page_size, pages, c.index_head_dim});
+    w_host = random_kv_b_proj(c, seed + 1);
+    w = be->to_device(w_host);
+    tokens = TokenStore::random(c, lengths, seed);
+    tables = allocate_pages(lengths, page_size, pages, seed + 2);
+    LayerOptions o;
+    o.output_dtype = out;
+    o.policy.mode = mode;
+    layer = std::make_unique<DsaAttention>(c, *be, kv, ix, w, o);
+  }
+
+  RunOutputs run(const std::vector<RunSchedule>& schedules) {
+    RunOutputs out;
+    for (const auto& s : schedules) run_schedule(*layer, tables, tokens, s, out);
+    return out;
+  }
+  std::vector<int32_t> zeros() const { return std::vector<int32_t>(tokens.lengths.size(), 0); }
+  uint64_t pool_checksum() {
+    return testing::checksum(be->to_host(kv.storage())) ^
+           (testing::checksum(be->to_host(ix.storage())) * 31);
+  }
+};
+
+// rel-L2 over the rows both runs computed (rows in `mask`), and max |lse| difference.
+struct Diff {
+  double o_rel = 0, lse_abs = 0;
+  int64_t rows = 0;
+};
+Diff compare(const RunOutputs& a, const RunOutputs& b, const std::vector<uint8_t>& mask) {
+  const int64_t rows = int64_t(a.ran.size());
+  const int64_t od = a.o.numel() / rows, ld = a.lse.numel() / rows;
+  std::vector<double> x, y, lx, ly;
+  Diff d;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!mask[size_t(r)]) continue;
+    ++d.rows;
+    for (int64_t j = 0; j < od; ++j) {
+      x.push_back(a.o.ptr<float>()[r * od + j]);
+      y.push_back(b.o.ptr<float>()[r * od + j]);
+    }
+    for (int64_t j = 0; j < ld; ++j) {
+      lx.push_back(a.lse.ptr<float>()[r * ld + j]);
+      ly.push_back(b.lse.ptr<float>()[r * ld + j]);
+    }
+  }
+  d.o_rel = testing::rel_l2(x, y);
+  d.lse_abs = testing::max_abs_diff(lx, ly);
+  return d;
+}
+
+std::vector<uint8_t> both(const RunOutputs& a, const RunOutputs& b) {
+  std::vector<uint8_t> m(a.ran.size());
+  for (size_t i = 0; i < m.size(); ++i) m[i] = a.ran[i] && b.ran[i];
+  return m;
+}
+
+const std::vector<KvLayout> kLayouts = {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw};
+
+double tol_f32(const Harness& h) {
+  return h.be->capabilities().intermediate_dtype == DType::kF32 ? testing::kTolF32
+                                                                : testing::kTolBf16;
+}
+
+class LayerTest : public ::testing::TestWithParam<std::string> {};
+
+// §3.6: with every L_r <= index_topk, sparse MLA and dense MHA compute the same function.
+TEST_P(LayerTest, DenseEqualsSparseWhenContextsFitTopk) {
+  struct Case {
+    const char* preset;
+    int tp;
+  };
+  for (Case cs :
+       {Case{"deepseek-v3.2", 8}, Case{"deepseek-v3.2", 1}, Case{"glm-5", 4}, Case{"glm-5", 1}}) {
+    for (KvLayout layout : kLayouts) {
+      const uint64_t seed = fresh_seed();
+      SCOPED_TRACE(::testing::Message()
+                   << cs.preset << " tp" << cs.tp << " " << to_string(layout) << " seed " << seed);
+      const ModelConfig c = ModelConfig::preset(cs.preset).with_tp(cs.tp);
+      const std::vector<int32_t> len = {71, 33};
+      Harness dense(c, GetParam(), layout, 16, len, seed, DispatchMode::kDense);
+      Harness sparse(c, GetParam(), layout, 16, len, seed, DispatchMode::kSparse);
+      const RunSchedule all{dense.zeros(), len, 0, ForwardMode::kExtend};
+      const RunOutputs a = dense.run({all}), b = sparse.run({all});
+      EXPECT_EQ(a.steps[0].plan.path, AttentionPath::kDenseMha);
+      EXPECT_EQ(b.steps[0].plan.path, AttentionPath::kSparseMla);
+      const Diff d = compare(a, b, both(a, b));
+      EXPECT_EQ(d.rows, 104);
+      EXPECT_LE(d.o_rel, tol_f32(dense));
+      EXPECT_LE(d.lse_abs, testing::kTolLse);
+    }
+  }
+}
+
+// §6: chunking does not change any token's result, on either path and across a path switch.
+TEST_P(LayerTest, ChunkedEqualsOneShot) {
+  for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled}) {
+    for (DispatchMode mode : {DispatchMode::kRule, DispatchMode::kDense, DispatchMode::kSparse}) {
+      const uint64_t seed = fresh_seed();
+      testing::Rng rng(seed);
+      const int chunk = int(rng.randint(5, 45));
+      SCOPED_TRACE(::testing::Message() << to_string(layout) << " " << to_string(mode) << " chunk "
+                                        << chunk << " seed " << seed);
+      // index_topk 64 so the sparse path really selects (contexts reach 150); forced dense needs
+      // exactness, so it runs with the full top-k.
+      const ModelConfig base = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+      const ModelConfig c = mode == DispatchMode::kDense ? base : small_topk(base, 64);
+      const std::vector<int32_t> len = {150, 90};
+      Harness one(c, GetParam(), layout, 64, len, seed, mode);
+      Harness chunked(c, GetParam(), layout, 64, len, seed, mode);
+      const RunOutputs a = one.run({{one.zeros(), len, 0, ForwardMode::kExtend}});
+      const RunOutputs b = chunked.run({{chunked.zeros(), len, chunk, ForwardMode::kExtend}});
+      const Diff d = compare(a, b, both(a, b));
+      EXPECT_EQ(d.rows, 240);
+      EXPECT_LE(d.o_rel, tol_f32(one));
+      EXPECT_LE(d.lse_abs, testing::kTolLse);
+      if (mode == DispatchMode::kRule) {  // the first chunk is dense, the later ones sparse
+        EXPECT_EQ(b.steps.front().plan.path, AttentionPath::kDenseMha);
+        EXPECT_EQ(b.steps.back().plan.path, AttentionPath::kSparseMla);
+      }
+      // The same positions are selected however the prompt was split.
+      if (mode != DispatchMode::kDense)
+        for (int64_t i = 0; i < a.topk.numel(); ++i)
+          if (b.topk.ptr<int32_t>()[i] != -1 || a.topk.ptr<int32_t>()[i] != -1) {
+            const int64_t row = i / c.index_topk;
+            const int32_t pos = int32_t(row < len[0] ? row : row - len[0]);
+            if (pos + 1 > c.index_topk)  // rows computed by the sparse path in both runs
+              ASSERT_EQ(a.topk.ptr<int32_t>()[i], b.topk.ptr<int32_t>()[i]) << "row " << row;
+          }
+    }
+  }
+}
+
+// A prefix already in the pool (an earlier call) gives the same result as a fresh prompt.
+TEST_P(LayerTest, PrefixHitEqualsFreshPrompt) {
+  for (KvLayout layout : kLayouts) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(::testing::Message() << to_string(layout) << " seed " << seed);
+    const ModelConfig c = small_topk(ModelConfig::preset("glm-5").with_tp(4), 64);
+    const std::vector<int32_t> len = {130, 77}, prefix = {100, 13};
+    Harness fresh(c, GetParam(), layout, 1, len, seed, DispatchMode::kRule);
+    Harness hit(c, GetParam(), layout, 1, len, seed, DispatchMode::kRule);
+    const RunOutputs a = fresh.run({{fresh.zeros(), len, 0, ForwardMode::kExtend}});
+    RunOutputs b;
+    run_schedule(*hit.layer, hit.tables, hit.tokens, {hit.zeros(), prefix, 0, ForwardMode::kExtend},
+                 b);
+    std::fill(b.ran.begin(), b.ran.end(), 0);
+    run_schedule(*hit.layer, hit.tables, hit.tokens, {prefix, len, 0, ForwardMode::kExtend}, b);
+    const Diff d = compare(a, b, both(a, b));
+    EXPECT_EQ(d.rows, 30 + 64);
+    EXPECT_LE(d.o_rel, tol_f32(fresh));
+    EXPECT_LE(d.lse_abs, testing::kTolLse);
+  }
+}
+
+// Two requests share a cached prefix's pages (declared); the second's result equals its fresh run.
+TEST_P(LayerTest, SharedPrefixPages) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const ModelConfig c = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+  // Request 1 repeats request 0's first 48 tokens (3 pages of 16), then has 16 of its own.
+  auto make = [&] {
+    auto h = std::make_unique<Harness>(c, GetParam(), KvLayout::kFp8Scaled, 16,
+                                       std::vector<int32_t>{64, 64}, seed, DispatchMode::kRule);
+    for (Tensor* t : {&h->tokens.q_nope, &h->tokens.q_pe, &h->tokens.c_kv, &h->tokens.k_pe,
+                      &h->tokens.idx_q, &h->tokens.idx_k, &h->tokens.idx_w}) {
+      auto* bytes = static_cast<uint8_t*>(t->view().data);
+      const size_t row = t->nbytes() / 128;
+      std::copy_n(bytes, 48 * row, bytes + 64 * row);
+    }
+    return h;
+  };
+  auto shared = make();
+  shared->tables[1] = {shared->tables[0][0], shared->tables[0][1], shared->tables[0][2],
+                       shared->tables[1][3]};
+  RunOutputs out;
+  run_schedule(*shared->layer, shared->tables, shared->tokens,
+               {{0, 0}, {64, 0}, 0, ForwardMode::kExtend}, out);
+  Batch b;
+  b.prefix_lens = {64, 48};
+  b.extend_lens = {0, 16};
+  b.page_tables = shared->tables;
+  EXPECT_THROW(shared->layer->plan(b), Error);  // sharing must be declared
+  b.shared_prefix_pages = true;
+  EXPECT_NO_THROW(shared->layer->plan(b));
+  b.prefix_lens = {64, 40};  // request 1 would write into a shared page
+  b.extend_lens = {0, 24};
+  EXPECT_THROW(shared->layer->plan(b), Error);
+  run_schedule(*shared->layer, shared->tables, shared->tokens,
+               {{64, 48}, {64, 64}, 0, ForwardMode::kExtend}, out);
+  // Fresh: request 1 computed from scratch in its own pages.
+  auto fresh = make();
+  RunOutputs ref = fresh->run({{{64, 0}, {64, 64}, 0, ForwardMode::kExtend}});
+  std::vector<uint8_t> mask(128, 0);
+  for (int i = 112; i < 128; ++i) mask[size_t(i)] = 1;
+  const Diff d = compare(out, ref, mask);
+  EXPECT_EQ(d.rows, 16);
+  EXPECT_LE(d.o_rel, tol_f32(*shared));
+  EXPECT_LE(d.lse_abs, testing::kTolLse);
+}
+
+// Decode steps after a prefill are sparse MLA and match the float64 layer reference.
+TEST_P(LayerTest, DecodeAfterPrefillMatchesReference) {
+  for (KvLayout layout : kLayouts) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(::testing::Message() << to_string(layout) << " seed " << seed);
+    const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 64);
+    const std::vector<int32_t> prompt = {120, 50}, len = {124, 54};
+    Harness h(c, GetParam(), layout, 64, len, seed, DispatchMode::kRule);
+    RunOutputs out;
+    run_schedule(*h.layer, h.tables, h.tokens, {h.zeros(), prompt, 0, ForwardMode::kExtend}, out);
+    for (int s = 0; s < 4; ++s)
+      run_schedule(*h.layer, h.tables, h.tokens,
+                   {{prompt[0] + s, prompt[1] + s},
+                    {prompt[0] + s + 1, prompt[1] + s + 1},
+                    1,
+                    ForwardMode::kDecode},
+                   out);
+    for (size_t i = 1; i < out.steps.size(); ++i) {
+      EXPECT_EQ(out.steps[i].plan.path, AttentionPath::kSparseMla);
+      EXPECT_EQ(out.steps[i].plan.rule, 2);
+    }
+    // Reference over every computed token (dense-path rows attend to all positions).
+    const Tensor kv_host = h.be->to_host(h.kv.storage()), ix_host = h.be->to_host(h.ix.storage());
+    reference::LayerSnapshot snap{&c,
+                                  h.layer->sm_scale(),
+                                  len,
+                                  h.tokens.q_nope,
+                                  h.tokens.q_pe,
+                                  h.tokens.idx_q,
+                                  h.tokens.idx_w,
+                                  h.w_host,
+                                  h.kd,
+                                  kv_host,
+                                  h.ix.desc(),
+                                  ix_host,
+                                  h.tables};
+    std::vector<reference::TokenQuery> qs;
+    std::vector<int64_t> rows;
+    for (const auto& st : out.steps)
+      for (int64_t row : st.rows) {
+        const int r = row < len[0] ? 0 : 1;
+        qs.push_back(
+            {r, int32_t(row - (r ? len[0] : 0)), st.plan.path == AttentionPath::kDenseMha});
+        rows.push_back(row);
+      }
+    const auto ref = reference::layer_outputs(snap, qs);
+    std::vector<double> got, got_lse;
+    for (int64_t row : rows) {
+      for (int64_t j = 0; j < c.num_heads * c.v_head_dim; ++j)
+        got.push_back(out.o.ptr<float>()[row * c.num_heads * c.v_head_dim + j]);
+      for (int64_t j = 0; j < c.num_heads; ++j)
+        got_lse.push_back(out.lse.ptr<float>()[row * c.num_heads + j]);
+    }
+    EXPECT_LE(testing::rel_l2(got, ref.o), tol_f32(h));
+    EXPECT_LE(testing::max_abs_diff(got_lse, ref.lse), testing::kTolLse);
+  }
+}
+
+TEST_P(LayerTest, TargetVerifyRoutesToSparse) {
+  const ModelConfig c = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+  Harness h(c, GetParam(), KvLayout::kFp8Scaled, 64, {40}, fresh_seed(), DispatchMode::kRule);
+  Batch b;
+  b.mode = ForwardMode::kTargetVerify;
+  b.prefix_lens = {36};
+  b.extend_lens = {4};
+  b.page_tables = h.tables;
+  const Plan p = h.layer->plan(b);
+  EXPECT_EQ(p.path, AttentionPath::kSparseMla);
+  EXPECT_EQ(p.rule, 2);
+}
+
+// §6 DCP: W in-process ranks own positions p % W; merged partials equal the single rank.
+TEST_P(LayerTest, DcpEqualsSingleRank) {
+  for (DispatchMode mode : {DispatchMode::kDense, DispatchMode::kSparse}) {
+    for (int world : {2, 3, 4, 8}) {
+      const uint64_t seed = fresh_seed();
+      SCOPED_TRACE(::testing::Message() << to_string(mode) << " W=" << world << " seed " << seed);
+      const ModelConfig base = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+      const ModelConfig c = mode == DispatchMode::kDense ? base : small_topk(base, 32);
+      const std::vector<int32_t> prompt = {90, 45}, len = {92, 47};
+      Harness single(c, GetParam(), KvLayout::kFp8Scaled, 16, len, seed, mode);
+      const RunOutputs a = single.run({{single.zeros(), prompt, 0, ForwardMode::kExtend},
+                                       {prompt, len, 1, ForwardMode::kExtend}});
+      LayerOptions o;
+      o.output_dtype = DType::kF32;
+      o.policy.mode = mode;
+      KvPoolDesc pd = single.kd;
+      pd.num_pages = 8;
+      DcpSimulation dcp(c, *single.be, world, pd, len, single.w, o);
+      RunOutputs b;
+      b.o = Tensor::host(DType::kF32, {a.o.size(0), a.o.size(1), a.o.size(2)});
+      b.lse = Tensor::host(DType::kF32, {a.lse.size(0), a.lse.size(1)});
+      b.ran.assign(a.ran.size(), 0);
+      // Same steps as the single-rank run: the prompts, then one token each.
+      for (int step = 0; step < 3; ++step) {
+        Batch batch;
+        std::vector<int64_t> rows;
+        for (int r = 0; r < 2; ++r) {
+          const int32_t from = step == 0 ? 0 : prompt[size_t(r)] + step - 1;
+          const int32_t to = step == 0 ? prompt[size_t(r)] : from + 1;
+          batch.prefix_lens.push_back(from);
+          batch.extend_lens.push_back(to - from);
+          for (int32_t p = from; p < to; ++p) rows.push_back((r ? len[0] : 0) + p);
+        }
+        const auto in = single.tokens.slice(*single.be, rows);
+        const LayerResult res = dcp.forward(batch, in.view());
+        EXPECT_EQ(res.plan.path, a.steps[size_t(step)].plan.path);
+        const Tensor o = single.be->to_host(res.o), lse = single.be->to_host(res.lse);
+        const int64_t od = o.numel() / int64_t(rows.size()),
+                      ld = lse.numel() / int64_t(rows.size());
+        for (size_t i = 0; i < rows.size(); ++i) {
+          std::copy_n(o.ptr<float>() + int64_t(i) * od, od, b.o.ptr<float>() + rows[i] * od);
+          std::copy_n(lse.ptr<float>() + int64_t(i) * ld, ld, b.lse.ptr<float>() + rows[i] * ld);
+          b.ran[size_t(rows[i])] = 1;
+        }
+        if (mode == DispatchMode::kSparse) {
+          const Tensor top = single.be->to_host(res.topk);
+          for (size_t i = 0; i < rows.size(); ++i)
+            for (int j = 0; j < c.index_topk; ++j)
+              ASSERT_EQ(top.ptr<int32_t>()[int64_t(i) * c.index_topk + j],
+                        a.topk.ptr<int32_t>()[rows[i] * c.index_topk + j])
+                  << "row " << rows[i] << " slot " << j;
+        }
+      }
+      const Diff d = compare(a, b, both(a, b));
+      EXPECT_EQ(d.rows, 139);
+      EXPECT_LE(d.o_rel, tol_f32(single));
+      EXPECT_LE(d.lse_abs, testing::kTolLse);
+    }
+  }
+}
+
+// §8: every rejected call leaves both pools byte-identical.
+TEST_P(LayerTest, RejectedCallsLeaveThePoolsUntouched) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const ModelConfig c = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+  Harness h(c, GetParam(), KvLayout::kFp8Scaled, 16, {40, 30}, seed, DispatchMode::kRule);
+  h.run({{h.zeros(), {20, 10}, 0, ForwardMode::kExtend}});  // something in the pools
+  const uint64_t before = h.pool_checksum();
+  const auto rows = [&] {
+    std::vector<int64_t> r;
+    for (int p = 20; p < 40; ++p) r.push_back(p);
+    for (int p = 10; p < 30; ++p) r.push_back(40 + p);
+    return r;
+  }();
+  const auto in = h.tokens.slice(*h.be, rows);
+  auto good = [&] {
+    Batch b;
+    b.prefix_lens = {20, 10};
+    b.extend_lens = {20, 20};
+    b.page_tables = h.tables;
+    return b;
+  };
+  auto expect_rejected = [&](const Batch& b, const LayerInputs& li, const char* what,
+                             const char* needle) {
+    try {
+      h.layer->forward(b, li);
+      ADD_FAILURE() << what << ": expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+    EXPECT_EQ(h.pool_checksum(), before) << what;
+  };
+  Batch b = good();
+  b.page_tables[1][0] = int32_t(h.kd.num_pages);
+  expect_rejected(b, in.view(), "page id out of range", "page_table[0]");
+  b = good();
+  b.page_tables[0].resize(2);
+  expect_rejected(b, in.view(), "length beyond the table", "needs 3 pages");
+  b = good();
+  b.page_tables[1][1] = b.page_tables[0][2];
+  expect_rejected(b, in.view(), "page shared without declaration", "also used by request");
+  b = good();
+  b.extend_lens = {20, 19};
+  expect_rejected(b, in.view(), "inputs for a different T", "expected shape");
+  b = good();
+  LayerInputs li = in.view();
+  li.idx_w.dtype = DType::kBF16;
+  expect_rejected(b, li, "idx_w dtype", "idx_w");
+  b = good();
+  b.mode = ForwardMode::kDecode;
+  expect_rejected(b, in.view(), "decode with 20 tokens", "decode expects 1");
+  b = good();
+  b.prefix_lens = {20, -1};
+  expect_rejected(b, in.view(), "negative prefix", "prefix_len");
+  // And a good call still works afterwards.
+  EXPECT_NO_THROW(h.layer->forward(good(), in.view()));
+  EXPECT_NE(h.pool_checksum(), before);
+}
+
+// §8: NaN in one request's inputs stays in that request's outputs.
+TEST_P(LayerTest, NanStaysInItsRequest) {
+  for (DispatchMode mode : {DispatchMode::kDense, DispatchMode::kSparse}) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(::testing::Message() << to_string(mode) << " seed " << seed);
+    const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8),
+                                     mode == DispatchMode::kSparse ? 16 : 2048);
+    const std::vector<int32_t> len = {40, 30};
+    Harness clean(c, GetParam(), KvLayout::kBf16, 16, len, seed, mode);
+    Harness dirty(c, GetParam(), KvLayout::kBf16, 16, len, seed, mode);
+    // NaN in request 0: one query row and one latent KV row.
+    dirty.tokens.q_nope.ptr<bf16_t>()[5 * c.num_heads * c.qk_nope_head_dim] = bf16_t{0x7FC0};
+    dirty.tokens.c_kv.ptr<bf16_t>()[7 * c.kv_lora_rank + 3] = bf16_t{0x7FC0};
+    const RunSchedule all{clean.zeros(), len, 0, ForwardMode::kExtend};
+    const RunOutputs a = clean.run({all}), b = dirty.run({all});
+    std::vector<uint8_t> req1(70, 0);
+    for (int i = 40; i < 70; ++i) req1[size_t(i)] = 1;
+    const Diff d = compare(a, b, req1);
+    EXPECT_EQ(d.o_rel, 0.0) << "request 1 changed";
+    const int64_t od = c.num_heads * c.v_head_dim;
+    bool nan_row5 = false;
+    for (int64_t j = 0; j < od; ++j) nan_row5 |= std::isnan(b.o.ptr<float>()[5 * od + j]);
+    EXPECT_TRUE(nan_row5) << "the NaN query row must give NaN";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, LayerTest, ::testing::ValuesIn(testing::test_backends()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace dsakit
