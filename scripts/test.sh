@@ -4,7 +4,8 @@
 #   2. Release build (CPU backend + CUDA backend for sm_90a when nvcc is present) and all CTest
 #      tests (GPU tests run where a GPU is present and skip cleanly elsewhere),
 #   3. an ASan+UBSan build of the host code and its unit tests,
-#   4. the Python cross-checks (numpy + ml_dtypes) against the built library.
+#   4. the Python cross-checks (numpy + ml_dtypes) and the command-line tests,
+#   5. a short fixed-time libFuzzer run over the safetensors reader and the config parser.
 # Build folders live inside the checkout (build/, build-asan/). Set DSAKIT_JOBS to limit
 # parallelism (default: nproc).
 set -euo pipefail
@@ -32,7 +33,10 @@ step "tests (address,undefined)"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   DSAKIT_TEST_BACKENDS=cpu ctest --test-dir build-asan --output-on-failure -j "$jobs" -L unit
 
-step "python cross-checks"
-DSAKIT_BUILD_DIR=build .venv/bin/python -m pytest -q tests/python
+step "python cross-checks and command-line tests"
+DSAKIT_BUILD_DIR=build .venv/bin/python -m pytest -q tests/python tests/cli
+
+step "fuzzing (${DSAKIT_FUZZ_SECONDS:-20}s per target)"
+bash scripts/fuzz.sh "${DSAKIT_FUZZ_SECONDS:-20}"
 
 step "done in $(( $(date +%s) - start ))s"

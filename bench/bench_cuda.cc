@@ -1,0 +1,349 @@
+// CUDA benchmark (DESIGN.md §10): each stage of both paths and the whole layer, timed with CUDA
+// events on the backend's stream (warm-up, median of >= 20 runs, 3 input sets rotated so the L2
+// does not flatter), next to the ceilings measured in the same run (device-to-device copy
+// bandwidth, cuBLAS bf16 GEMM rate). Prints a table; --json FILE writes the rows.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dsakit/driver.h"
+#include "dsakit/error.h"
+#include "dsakit/layer.h"
+#include "src/cuda/cuda_backend.h"
+
+namespace {
+
+using namespace dsakit;
+
+#define BENCH_CUDA(call)                                                               \
+  do {                                                                                 \
+    cudaError_t e_ = (call);                                                           \
+    if (e_ != cudaSuccess) DSAKIT_FAIL(kBackend, #call, ": ", cudaGetErrorString(e_)); \
+  } while (0)
+
+constexpr int kSets = 3;
+constexpr int kRuns = 20;
+
+// Median time in ms of fn(i) (i = run index, to rotate input sets) over kRuns after warm-up.
+double time_ms(cudaStream_t s, const std::function<void(int)>& fn, int runs = kRuns) {
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) fn(i);
+  BENCH_CUDA(cudaStreamSynchronize(s));
+  std::vector<float> ms;
+  for (int i = 0; i < runs; ++i) {
+    BENCH_CUDA(cudaEventRecord(a, s));
+    fn(i);
+    BENCH_CUDA(cudaEventRecord(b, s));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::nth_element(ms.begin(), ms.begin() + runs / 2, ms.end());
+  return ms[size_t(runs / 2)];
+}
+
+Tensor random_device(Backend& be, DType dtype, const std::vector<int64_t>& shape, uint64_t seed,
+                     float stddev = 1.0f) {
+  Tensor h = Tensor::host(dtype, shape);
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> d(0.f, stddev);
+  for (int64_t i = 0; i < h.numel(); ++i) {
+    if (dtype == DType::kBF16)
+      h.ptr<bf16_t>()[i] = f32_to_bf16(d(gen));
+    else
+      h.ptr<float>()[i] = d(gen);
+  }
+  return be.to_device(h);
+}
+
+struct Ceilings {
+  double copy_gbs = 0, gemm_tflops = 0;
+};
+
+Ceilings measure_ceilings(cuda::CudaBackend& be) {
+  Ceilings c;
+  const size_t bytes = size_t(2) << 30;
+  Tensor src = be.empty(DType::kU8, {int64_t(bytes)}), dst = be.empty(DType::kU8, {int64_t(bytes)});
+  be.fill_bytes(src, 0x5A);
+  const double ms = time_ms(be.stream(), [&](int) {
+    BENCH_CUDA(cudaMemcpyAsync(dst.view().data, src.view().data, bytes, cudaMemcpyDeviceToDevice,
+                               be.stream()));
+  });
+  c.copy_gbs = 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
+  const int n = 8192;
+  Tensor a = random_device(be, DType::kBF16, {n, n}, 1),
+         b = random_device(be, DType::kBF16, {n, n}, 2);
+  Tensor o = be.empty(DType::kBF16, {n, n});
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) DSAKIT_FAIL(kBackend, "cublasCreate failed");
+  cublasSetStream(h, be.stream());
+  const float one = 1, zero = 0;
+  const double gms = time_ms(be.stream(), [&](int) {
+    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.view().data, CUDA_R_16BF, n,
+                 b.view().data, CUDA_R_16BF, n, &zero, o.view().data, CUDA_R_16BF, n,
+                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  });
+  cublasDestroy(h);
+  c.gemm_tflops = 2.0 * n * double(n) * n / (gms * 1e-3) / 1e12;
+  return c;
+}
+
+struct Row {
+  std::string shape, stage;
+  double ms = 0, flops = 0, bytes = 0;
+};
+
+// One fresh prompt of T tokens (a single request, causal) for config `c`.
+std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_t t,
+                             KvLayout layout) {
+  const std::string shape =
+      fmt::format("{} H={} T={} {}", c.name, c.num_heads, t, to_string(layout));
+  std::fprintf(stderr, "[bench] %s\n", shape.c_str());
+  const int64_t h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
+                dv = c.v_head_dim, dc = c.kv_lora_rank, hi = c.index_n_heads, di = c.index_head_dim;
+  const int k = c.index_topk;
+  cudaStream_t s = be.stream();
+  be.options().host_value_checks = false;  // time kernels, not host-side validation syncs
+
+  // Causal counts.
+  double sum_ctx = 0, sum_keff = 0;
+  for (int64_t i = 0; i < t; ++i) {
+    sum_ctx += double(i + 1);
+    sum_keff += double(std::min<int64_t>(i + 1, k));
+  }
+  const int page = 64;
+  const int64_t pages = (t + page - 1) / page;
+  KvPoolDesc kd;
+  kd.layout = layout;
+  kd.page_size = page;
+  kd.num_pages = pages;
+  kd.d_c = int(dc);
+  kd.d_rope = int(dr);
+  struct Set {
+    PagedKvPool kv;
+    IndexKeyPool ix;
+    Tensor q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w;
+  };
+  std::vector<Set> sets;
+  for (int i = 0; i < kSets; ++i) {
+    Set st{be.make_kv_pool(kd),
+           be.make_index_pool({page, pages, int(di)}),
+           random_device(be, DType::kBF16, {t, h, dn}, 10 + i),
+           random_device(be, DType::kBF16, {t, h, dr}, 20 + i),
+           random_device(be, DType::kBF16, {t, dc}, 30 + i),
+           random_device(be, DType::kBF16, {t, dr}, 40 + i),
+           random_device(be, DType::kBF16, {t, hi, di}, 50 + i),
+           random_device(be, DType::kBF16, {t, di}, 60 + i),
+           random_device(be, DType::kF32, {t, hi}, 70 + i)};
+    sets.push_back(std::move(st));
+  }
+  const Tensor w = random_device(be, DType::kBF16, {h * (dn + dv), dc}, 99, 0.044f);
+  std::vector<int32_t> locs_h(static_cast<size_t>(t)), start_h(static_cast<size_t>(t), 0),
+      ctx_h(static_cast<size_t>(t)), cu_q_h{0, int32_t(t)}, cu_kv_h{0, int32_t(t)};
+  for (int64_t i = 0; i < t; ++i) locs_h[size_t(i)] = int32_t(i), ctx_h[size_t(i)] = int32_t(i + 1);
+  auto dev_i32 = [&](std::vector<int32_t>& v) {
+    return be.to_device(make_view(v.data(), DType::kI32, Device::kCpu, {int64_t(v.size())}));
+  };
+  const Tensor locs = dev_i32(locs_h), start = dev_i32(start_h), ctx = dev_i32(ctx_h),
+               cu_q = dev_i32(cu_q_h), cu_kv = dev_i32(cu_kv_h);
+  for (auto& st : sets) {
+    be.store_kv(st.kv, locs, st.c_kv, st.k_pe);
+    be.store_index_keys(st.ix, locs, st.idx_k);
+  }
+  const int bpt = kd.bytes_per_token();
+  std::vector<Row> rows;
+  auto add = [&](const char* stage, double ms, double flops, double bytes) {
+    rows.push_back({shape, stage, ms, flops, bytes});
+  };
+
+  add("store_kv",
+      time_ms(s,
+              [&](int i) {
+                auto& st = sets[size_t(i % kSets)];
+                be.store_kv(st.kv, locs, st.c_kv, st.k_pe);
+              }),
+      0, double(t) * (2.0 * (dc + dr) + bpt));
+  Tensor c_all = be.empty(DType::kBF16, {t, dc}), kpe_all = be.empty(DType::kBF16, {t, dr});
+  add("gather_kv",
+      time_ms(s, [&](int i) { be.gather_kv(sets[size_t(i % kSets)].kv, locs, c_all, kpe_all); }), 0,
+      double(t) * (bpt + 2.0 * (dc + dr)));
+  Tensor top = be.empty(DType::kI32, {t, k});
+  add("indexer_topk",
+      time_ms(
+          s,
+          [&](int i) {
+            auto& st = sets[size_t(i % kSets)];
+            IndexerArgs a;
+            a.keys = &st.ix;
+            a.kv_locs = locs;
+            a.kv_start = start;
+            a.ctx_len = ctx;
+            be.indexer_topk(st.idx_q, st.idx_w, a, k, top);
+          },
+          5),
+      2.0 * hi * di * sum_ctx, 0);
+  Tensor loc_top = be.empty(DType::kI32, {t, k});
+  be.positions_to_locations(top, locs, start, ctx, loc_top);
+  Tensor q_abs = be.empty(DType::kBF16, {t, h, dc});
+  add("absorb_q",
+      time_ms(s, [&](int i) { be.absorb_q(sets[size_t(i % kSets)].q_nope, w, int(dv), q_abs); }),
+      2.0 * t * h * dn * dc, 0);
+  Tensor o_lat = be.empty(DType::kBF16, {t, h, dc}), lse = be.empty(DType::kF32, {t, h});
+  add("sparse_mla",
+      time_ms(s,
+              [&](int i) {
+                auto& st = sets[size_t(i % kSets)];
+                SparseMlaArgs a;
+                a.q_abs = q_abs;
+                a.q_pe = st.q_pe;
+                a.kv = &st.kv;
+                a.indices = loc_top;
+                a.sm_scale = c.softmax_scale();
+                a.o_lat = o_lat;
+                a.lse = lse;
+                be.sparse_mla(a);
+              }),
+      2.0 * h * sum_keff * (576 + 512), 0);
+  Tensor o = be.empty(DType::kBF16, {t, h, dv});
+  add("up_proj_v", time_ms(s, [&](int) { be.up_proj_v(o_lat, w, int(dn), o); }),
+      2.0 * t * h * dc * dv, 0);
+  Tensor k_nope = be.empty(DType::kBF16, {t, h, dn}), v = be.empty(DType::kBF16, {t, h, dv});
+  add("up_proj_kv", time_ms(s, [&](int) { be.up_proj_kv(c_all, w, k_nope, v); }),
+      2.0 * t * h * dc * (dn + dv), 0);
+  add("dense_mha",
+      time_ms(s,
+              [&](int i) {
+                auto& st = sets[size_t(i % kSets)];
+                DenseMhaArgs a;
+                a.q_nope = st.q_nope;
+                a.q_pe = st.q_pe;
+                a.k_nope = k_nope;
+                a.k_pe = kpe_all;
+                a.v = v;
+                a.cu_q = cu_q;
+                a.cu_kv = cu_kv;
+                a.cu_q_host = cu_q_h.data();
+                a.cu_kv_host = cu_kv_h.data();
+                a.num_requests = 1;
+                a.sm_scale = c.softmax_scale();
+                a.o = o;
+                a.lse = lse;
+                be.dense_mha(a);
+              }),
+      2.0 * h * sum_ctx * (dn + dr + dv), 0);
+  be.options().host_value_checks = true;
+  return rows;
+}
+
+// Whole layer (store + plan + path + outputs, host staging included) for fresh prompts, dense
+// vs sparse, contexts within index_topk (where both are exact).
+std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_t t) {
+  std::vector<Row> rows;
+  const std::string shape = fmt::format("{} H={} T={} layer fp8", c.name, c.num_heads, t);
+  std::fprintf(stderr, "[bench] %s\n", shape.c_str());
+  const std::vector<int32_t> len = {int32_t(t)};
+  const TokenStore tokens = TokenStore::random(c, len, 5);
+  const Tensor w = be.to_device(random_kv_b_proj(c, 6));
+  KvPoolDesc kd;
+  kd.layout = KvLayout::kFp8Scaled;
+  kd.num_pages = (t + 63) / 64 + 1;
+  kd.d_c = c.kv_lora_rank;
+  kd.d_rope = c.qk_rope_head_dim;
+  PagedKvPool kv = be.make_kv_pool(kd);
+  IndexKeyPool ix = be.make_index_pool({64, kd.num_pages, c.index_head_dim});
+  const auto tables = allocate_pages(len, 64, kd.num_pages, 7);
+  std::vector<int64_t> all(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) all[size_t(i)] = i;
+  const auto in = tokens.slice(be, all);
+  Batch b;
+  b.prefix_lens = {0};
+  b.extend_lens = {int32_t(t)};
+  b.page_tables = tables;
+  for (DispatchMode m : {DispatchMode::kDense, DispatchMode::kSparse}) {
+    LayerOptions o;
+    o.policy.mode = m;
+    DsaAttention layer(c, be, kv, ix, w, o);
+    const double ms = time_ms(
+        be.stream(), [&](int) { layer.forward(b, in.view()); }, 10);
+    rows.push_back({shape, std::string("layer_") + to_string(m), ms, 0, 0});
+  }
+  return rows;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
+      json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--quick"))
+      quick = true;
+    else {
+      std::fprintf(stderr, "usage: dsakit_bench_cuda [--json FILE] [--quick]\n");
+      return 2;
+    }
+  }
+  try {
+    if (cuda_device_count() == 0) {
+      std::fprintf(stderr, "dsakit_bench_cuda: no GPU visible\n");
+      return 2;
+    }
+    cuda::CudaBackend be(0);
+    const Ceilings ceil = measure_ceilings(be);
+    std::vector<Row> rows;
+    const ModelConfig ds = ModelConfig::preset("deepseek-v3.2");
+    for (int tp : {1, 8})
+      for (int64_t t : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384}) {
+        auto r = bench_shape(be, ds.with_tp(tp), t, KvLayout::kFp8Scaled);
+        rows.insert(rows.end(), r.begin(), r.end());
+      }
+    const ModelConfig glm = ModelConfig::preset("glm-5");
+    for (int tp : {1, 4}) {
+      auto r = bench_shape(be, glm.with_tp(tp), 4096, KvLayout::kBf16);
+      rows.insert(rows.end(), r.begin(), r.end());
+    }
+    for (int tp : {1, 8})
+      for (int64_t t : {1024, 2048}) {
+        auto r = bench_layer(be, ds.with_tp(tp), t);
+        rows.insert(rows.end(), r.begin(), r.end());
+      }
+    fmt::print("device {}  ceilings: copy {:.0f} GB/s, cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
+               be.capabilities().device_name, ceil.copy_gbs, ceil.gemm_tflops);
+    fmt::print("{:<34} {:<14} {:>9} {:>9} {:>7} {:>9} {:>7}\n", "shape", "stage", "ms", "TFLOP/s",
+               "%gemm", "GB/s", "%copy");
+    nlohmann::json j;
+    j["device"] = be.capabilities().device_name;
+    j["copy_gbs"] = ceil.copy_gbs;
+    j["gemm_tflops"] = ceil.gemm_tflops;
+    for (const Row& r : rows) {
+      const double tf = r.flops > 0 ? r.flops / (r.ms * 1e-3) / 1e12 : 0;
+      const double gb = r.bytes > 0 ? r.bytes / (r.ms * 1e-3) / 1e9 : 0;
+      fmt::print("{:<34} {:<14} {:>9.3f} {:>9.1f} {:>6.0f}% {:>9.0f} {:>6.0f}%\n", r.shape, r.stage,
+                 r.ms, tf, 100 * tf / ceil.gemm_tflops, gb, 100 * gb / ceil.copy_gbs);
+      j["rows"].push_back(
+          {{"shape", r.shape}, {"stage", r.stage}, {"ms", r.ms}, {"tflops", tf}, {"gbs", gb}});
+    }
+    if (!json_path.empty()) std::ofstream(json_path) << j.dump(2) << "\n";
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dsakit_bench_cuda: %s\n", e.what());
+    return 3;
+  }
+  return 0;
+}

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The H200 check, in one call of the device tool (see docs/cuda.md):
+#   1. build for sm_90a (Release, CUDA on) with every core,
+#   2. the whole GoogleTest suite against the cuda backend (DSAKIT_TEST_BACKENDS, default cuda),
+#   3. compute-sanitizer memcheck / racecheck / initcheck on the CUDA test binaries,
+#   4. `dsakit run --device cuda --verify` over both presets x three layouts x
+#      {fresh, chunked, prefix-hit, decode},
+#   5. the CUDA benchmark and the PyTorch SDPA peer,
+# then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files must be
+# carried in .peers/ (a copy of ../shared/testdata/peers; the device cannot see ../shared).
+# Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench]...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out}
+mkdir -p "$out"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(all)
+want() { [[ " ${steps[*]} " == *" all "* || " ${steps[*]} " == *" $1 "* ]]; }
+declare -A result
+t0=$(date +%s)
+note() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+export DSAKIT_PEERS_DIR=${DSAKIT_PEERS_DIR:-$PWD/.peers}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+jobs=$(nproc)
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit \
+  --format=csv >"$out/gpu.txt" 2>&1
+nvcc --version | tail -1 >>"$out/gpu.txt"
+cat "$out/gpu.txt"
+
+note "build"
+if cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DDSAKIT_BENCH=ON >"$out/build.log" 2>&1 &&
+   cmake --build build-dev -j "$jobs" >>"$out/build.log" 2>&1; then
+  result[build]=PASS
+else
+  result[build]=FAIL
+  tail -40 "$out/build.log"
+fi
+grep -E "spill|Local memory" "$out/build.log" | sort -u >"$out/spills.txt"
+
+if [ "${result[build]}" = PASS ] && want tests; then
+  note "tests (backends: ${DSAKIT_TEST_BACKENDS:=cuda})"
+  export DSAKIT_TEST_BACKENDS
+  for t in build-dev/tests/test_*; do
+    name=$(basename "$t")
+    if timeout 300 "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then result[$name]=PASS
+    else result[$name]=FAIL; tail -25 "$out/$name.log"; fi
+  done
+fi
+
+if [ "${result[build]}" = PASS ] && want sanitize; then
+  note "compute-sanitizer"
+  san() {  # tool binary filter
+    local log="$out/san_$1_$(basename "$2").log"
+    if timeout 240 compute-sanitizer --tool "$1" --error-exitcode 9 "$2" --gtest_brief=1 \
+         --gtest_filter="$3" >"$log" 2>&1; then result["san:$1:$(basename "$2")"]=PASS
+    else result["san:$1:$(basename "$2")"]=FAIL; tail -15 "$log"; fi
+  }
+  san memcheck build-dev/tests/test_cuda_backend '*'
+  san memcheck build-dev/tests/test_cuda_attention '*'
+  san racecheck build-dev/tests/test_cuda_attention '*'
+  san initcheck build-dev/tests/test_cuda_backend '*Pool*:*Store*:*Gather*'
+  san memcheck build-dev/tests/test_layer '*ChunkedEqualsOneShot*:*Rejected*'
+fi
+
+if [ "${result[build]}" = PASS ] && want verify; then
+  note "dsakit run --device cuda --verify matrix"
+  : >"$out/verify.log"
+  for model in "deepseek-v3.2 8" "glm-5 4"; do
+    set -- $model
+    for kv in bf16 fp8 fp8-raw; do
+      for sc in fresh chunked prefix decode; do
+        case $sc in
+          fresh) args=(--prompts 1500,700) ;;
+          chunked) args=(--prompts 3000,700 --chunk 1024) ;;
+          prefix) args=(--prompts 2600,900 --prefix 2000,300) ;;
+          decode) args=(--prompts 2200,500 --decode-steps 4) ;;
+        esac
+        key="verify:$1:$kv:$sc"
+        echo "=== $key" >>"$out/verify.log"
+        if timeout 120 build-dev/bin/dsakit run --device cuda --model "$1" --tp "$2" --kv "$kv" \
+             "${args[@]}" --verify --verify-tokens 24 >>"$out/verify.log" 2>&1; then
+          result[$key]=PASS
+        else
+          result[$key]=FAIL
+        fi
+        grep -E "^verify" "$out/verify.log" | tail -1 | sed "s/^/  $key /"
+      done
+    done
+  done
+  # H = 128 / 64 (no tensor parallelism) once each.
+  for model in deepseek-v3.2 glm-5; do
+    key="verify:$model:tp1:fp8:chunked"
+    if timeout 180 build-dev/bin/dsakit run --device cuda --model $model --tp 1 --prompts 2500 \
+         --chunk 1000 --verify --verify-tokens 16 >>"$out/verify.log" 2>&1; then result[$key]=PASS
+    else result[$key]=FAIL; fi
+  done
+fi
+
+if [ "${result[build]}" = PASS ] && want bench; then
+  note "benchmarks"
+  if timeout 300 build-dev/bench/dsakit_bench_cuda --json "$out/bench_cuda.json" \
+       >"$out/bench_cuda.txt" 2>"$out/bench_cuda.err"; then result[bench]=PASS
+  else result[bench]=FAIL; tail -5 "$out/bench_cuda.err"; fi
+  if timeout 180 python3 bench/peer_sdpa.py "$out/peer_sdpa.json" >"$out/peer_sdpa.txt" \
+       2>"$out/peer_sdpa.err"; then result[peer]=PASS
+  else result[peer]=FAIL; tail -5 "$out/peer_sdpa.err"; fi
+  cat "$out/bench_cuda.txt" "$out/peer_sdpa.txt"
+fi
+
+note "done"
+echo
+printf '%-44s %s\n' CHECK RESULT
+fail=0
+for k in $(printf '%s\n' "${!result[@]}" | sort); do
+  printf '%-44s %s\n' "$k" "${result[$k]}"
+  [ "${result[$k]}" = PASS ] || fail=1
+done
+printf '%-44s %s\n' "device time (s)" "$(( $(date +%s) - t0 ))"
+exit $fail
