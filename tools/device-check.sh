@@ -109,6 +109,8 @@ if [ "${result[build]}" = PASS ] && want bench; then
 fi
 
 note "done"
+# The device tool returns at most 8 files: pack the logs into one archive.
+tar -czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log *.txt 2>/dev/null) 2>/dev/null
 echo
 printf '%-44s %s\n' CHECK RESULT
 fail=0

@@ -242,6 +242,7 @@ int run_command(const RunOptions& opt) {
     snap.index_desc = index_pool.desc();
     snap.index_storage = ix_host;
     snap.page_tables = tables;
+    snap.bf16_intermediates = be->capabilities().intermediate_dtype == DType::kBF16;
     // Path per row, from the step that computed it.
     std::vector<int8_t> dense_row(size_t(tokens.rows()), -1);
     for (size_t i = prefix_steps; i < out.steps.size(); ++i)

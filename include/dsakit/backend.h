@@ -19,6 +19,7 @@ struct Capabilities {
   std::string device_name;                 // "cpu (2 threads)", "NVIDIA H200"
   int sm_arch = 0;                         // 90 for sm_90; 0 on the CPU
   bool dense_mha = false;                  // a dense MHA path exists for this device
+  bool dense_kv_visible = false;           // dense_mha honours DenseMhaArgs::kv_visible (DCP)
   DType intermediate_dtype = DType::kF32;  // q_abs, o_lat, up-projected K/V
 };
 

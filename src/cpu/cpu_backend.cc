@@ -24,6 +24,7 @@ class CpuBackend final : public Backend {
     caps_.device_name = "cpu (" + std::to_string(ctx_.threads) + " threads)";
     caps_.sm_arch = 0;
     caps_.dense_mha = true;
+    caps_.dense_kv_visible = true;
     caps_.intermediate_dtype = DType::kF32;
   }
 

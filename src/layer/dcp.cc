@@ -141,6 +141,9 @@ LayerResult DcpSimulation::forward(const Batch& batch, const LayerInputs& in) {
   }
 
   const bool dense = res.plan.path == AttentionPath::kDenseMha;
+  DSAKIT_CHECK(!dense || be.capabilities().dense_kv_visible, kUnsupported,
+               "dcp: the dense path needs per-query visible counts, which the ",
+               be.capabilities().device_name, " dense kernel does not support; use sparse");
   const int64_t d_part = dense ? dv : dc;
   Tensor o_parts = Tensor::host(DType::kF32, {world_, t, h, d_part});
   Tensor lse_parts = Tensor::host(DType::kF32, {world_, t, h});

@@ -44,6 +44,33 @@ RequestKv decode_request(const LayerSnapshot& s, int r) {
   return out;
 }
 
+// bf16-rounded up-projections of a request's positions 0 … max_pos, per head (dense path of a
+// backend with bf16 intermediates).
+struct DenseKv {
+  std::vector<float> k_nope;  // [positions, H, d_nope]
+  std::vector<float> v;       // [positions, H, d_v]
+};
+
+DenseKv up_project(const LayerSnapshot& s, const RequestKv& kv, const Vec& w, int32_t positions) {
+  const auto& c = *s.config;
+  const int h = c.num_heads, dn = c.qk_nope_head_dim, dv = c.v_head_dim, dc = c.kv_lora_rank;
+  const int dkv = dc + c.qk_rope_head_dim;
+  DenseKv out{std::vector<float>(size_t(positions) * h * dn),
+              std::vector<float>(size_t(positions) * h * dv)};
+#pragma omp parallel for schedule(dynamic, 4)
+  for (int32_t p = 0; p < positions; ++p)
+    for (int hh = 0; hh < h; ++hh)
+      for (int j = 0; j < dn + dv; ++j) {
+        const double* wr = &w[(size_t(hh) * (dn + dv) + j) * dc];
+        double acc = 0;
+        for (int d = 0; d < dc; ++d) acc += wr[d] * kv.kv[size_t(p) * dkv + d];
+        const float r = float(bf16_round(acc));
+        if (j < dn) out.k_nope[(size_t(p) * h + hh) * dn + j] = r;
+        else out.v[(size_t(p) * h + hh) * dv + (j - dn)] = r;
+      }
+  return out;
+}
+
 }  // namespace
 
 LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuery>& queries) {
@@ -62,6 +89,14 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
                          q.pos < s.lengths[size_t(q.request)],
                      "layer reference: query (", q.request, ", ", q.pos, ") out of range");
     if (!cache.count(q.request)) cache.emplace(q.request, decode_request(s, q.request));
+  }
+
+  std::map<int, DenseKv> dense;
+  if (s.bf16_intermediates) {
+    std::map<int, int32_t> need;  // request -> positions its dense queries read
+    for (const auto& q : queries)
+      if (q.all_positions) need[q.request] = std::max(need[q.request], q.pos + 1);
+    for (const auto& [r, n] : need) dense.emplace(r, up_project(s, cache.at(r), w, n));
   }
 
   LayerReference out;
@@ -103,7 +138,41 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
       for (int32_t p : top)
         if (p >= 0) sel.push_back(p);
     }
+    if (q.all_positions && s.bf16_intermediates) {
+      // Dense path as the backend runs it: bf16 up-projected K/V per head.
+      const DenseKv& dk = dense.at(q.request);
+      for (int hh = 0; hh < h; ++hh) {
+        Vec sc(sel.size());
+        double mx = -std::numeric_limits<double>::infinity();
+        for (size_t i = 0; i < sel.size(); ++i) {
+          const size_t base = (size_t(sel[i]) * h + hh);
+          double acc = 0;
+          for (int d = 0; d < dn; ++d)
+            acc += double(load_as_float(qn, (row * h + hh) * dn + d)) * dk.k_nope[base * dn + d];
+          for (int d = 0; d < dr; ++d)
+            acc += double(load_as_float(qp, (row * h + hh) * dr + d)) *
+                   kv.kv[size_t(sel[i]) * dkv + dc + d];
+          sc[i] = acc * s.sm_scale;
+          mx = std::max(mx, sc[i]);
+        }
+        double sum = 0;
+        Vec o(size_t(dv), 0.0);
+        for (size_t i = 0; i < sel.size(); ++i) {
+          const double e = std::exp(sc[i] - mx);
+          sum += e;
+          const float* vr = &dk.v[(size_t(sel[i]) * h + hh) * dv];
+          for (int d = 0; d < dv; ++d) o[size_t(d)] += e * vr[d];
+        }
+        out.lse[size_t(qi) * h + hh] =
+            sel.empty() ? std::numeric_limits<double>::infinity() : mx + std::log(sum);
+        for (int d = 0; d < dv; ++d)
+          out.o[(size_t(qi) * h + hh) * dv + d] = sel.empty() ? 0.0 : o[size_t(d)] / sum;
+      }
+      out.selected[size_t(qi)] = std::move(sel);
+      continue;
+    }
     // Absorbed attention over the selected rows, then V up-projection.
+    const auto mid = [&](double x) { return s.bf16_intermediates ? bf16_round(x) : x; };
     for (int hh = 0; hh < h; ++hh) {
       Vec q576(size_t(dkv), 0.0);
       for (int j = 0; j < dn; ++j) {
@@ -111,8 +180,8 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
         const double* wk = &w[(size_t(hh) * (dn + dv) + j) * dc];
         for (int d = 0; d < dc; ++d) q576[size_t(d)] += qj * wk[d];
       }
-      for (int j = 0; j < dr; ++j)
-        q576[size_t(dc + j)] = load_as_float(qp, (row * h + hh) * dr + j);
+      for (int d = 0; d < dc; ++d) q576[size_t(d)] = mid(q576[size_t(d)]);
+      for (int j = 0; j < dr; ++j) q576[size_t(dc + j)] = load_as_float(qp, (row * h + hh) * dr + j);
       Vec sc(sel.size());
       double mx = -std::numeric_limits<double>::infinity();
       for (size_t i = 0; i < sel.size(); ++i) {
@@ -130,13 +199,14 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
         const double* kr = &kv.kv[size_t(sel[i]) * dkv];
         for (int d = 0; d < dc; ++d) olat[size_t(d)] += e * kr[d];
       }
-      out.lse[size_t(qi) * h + hh] =
-          sel.empty() ? std::numeric_limits<double>::infinity() : mx + std::log(sum);
+      out.lse[size_t(qi) * h + hh] = sel.empty() ? std::numeric_limits<double>::infinity()
+                                                 : mx + std::log(sum);
+      for (int d = 0; d < dc; ++d) olat[size_t(d)] = sel.empty() ? 0.0 : mid(olat[size_t(d)] / sum);
       for (int j = 0; j < dv; ++j) {
         const double* wv = &w[(size_t(hh) * (dn + dv) + dn + j) * dc];
         double acc = 0;
         for (int d = 0; d < dc; ++d) acc += wv[d] * olat[size_t(d)];
-        out.o[(size_t(qi) * h + hh) * dv + j] = sel.empty() ? 0.0 : acc / sum;
+        out.o[(size_t(qi) * h + hh) * dv + j] = acc;
       }
     }
     out.selected[size_t(qi)] = std::move(sel);

@@ -26,6 +26,10 @@ struct LayerSnapshot {
   IndexKeyPoolDesc index_desc;
   TensorView index_storage;  // u8 [pages, page_bytes]
   std::vector<std::vector<int32_t>> page_tables;
+  // Round at the backend's intermediate points (CUDA: bf16 q_abs and o_lat on the sparse path,
+  // bf16 up-projected k_nope / v on the dense path), so the comparison measures the kernels, not
+  // the precision the intermediates were designed with.
+  bool bf16_intermediates = false;
 };
 
 struct TokenQuery {

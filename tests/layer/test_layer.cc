@@ -104,10 +104,15 @@ std::vector<uint8_t> both(const RunOutputs& a, const RunOutputs& b) {
 
 const std::vector<KvLayout> kLayouts = {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw};
 
-double tol_f32(const Harness& h) {
-  return h.be->capabilities().intermediate_dtype == DType::kF32 ? testing::kTolF32
-                                                                : testing::kTolBf16;
+bool bf16_mid(const Harness& h) {
+  return h.be->capabilities().intermediate_dtype == DType::kBF16;
 }
+// Output bound for f32 outputs: 1e-5 with f32 intermediates (CPU), the bf16 bound otherwise.
+double tol_f32(const Harness& h) { return bf16_mid(h) ? testing::kTolBf16 : testing::kTolF32; }
+// lse bound between two runs that may round at different points (dense vs sparse): with bf16
+// intermediates the up-projected K (dense) and the absorbed q (sparse) are rounded differently,
+// which moves scores by up to ~2^-8 of their size (docs/numerics.md).
+double tol_lse_across_paths(const Harness& h) { return bf16_mid(h) ? 1e-2 : testing::kTolLse; }
 
 class LayerTest : public ::testing::TestWithParam<std::string> {};
 
@@ -134,7 +139,7 @@ TEST_P(LayerTest, DenseEqualsSparseWhenContextsFitTopk) {
       const Diff d = compare(a, b, both(a, b));
       EXPECT_EQ(d.rows, 104);
       EXPECT_LE(d.o_rel, tol_f32(dense));
-      EXPECT_LE(d.lse_abs, testing::kTolLse);
+      EXPECT_LE(d.lse_abs, tol_lse_across_paths(dense));
     }
   }
 }
@@ -160,7 +165,7 @@ TEST_P(LayerTest, ChunkedEqualsOneShot) {
       const Diff d = compare(a, b, both(a, b));
       EXPECT_EQ(d.rows, 240);
       EXPECT_LE(d.o_rel, tol_f32(one));
-      EXPECT_LE(d.lse_abs, testing::kTolLse);
+      EXPECT_LE(d.lse_abs, tol_lse_across_paths(one));
       if (mode == DispatchMode::kRule) {  // the first chunk is dense, the later ones sparse
         EXPECT_EQ(b.steps.front().plan.path, AttentionPath::kDenseMha);
         EXPECT_EQ(b.steps.back().plan.path, AttentionPath::kSparseMla);
@@ -196,7 +201,7 @@ TEST_P(LayerTest, PrefixHitEqualsFreshPrompt) {
     const Diff d = compare(a, b, both(a, b));
     EXPECT_EQ(d.rows, 30 + 64);
     EXPECT_LE(d.o_rel, tol_f32(fresh));
-    EXPECT_LE(d.lse_abs, testing::kTolLse);
+    EXPECT_LE(d.lse_abs, tol_lse_across_paths(fresh));
   }
 }
 
@@ -243,7 +248,7 @@ TEST_P(LayerTest, SharedPrefixPages) {
   const Diff d = compare(out, ref, mask);
   EXPECT_EQ(d.rows, 16);
   EXPECT_LE(d.o_rel, tol_f32(*shared));
-  EXPECT_LE(d.lse_abs, testing::kTolLse);
+  EXPECT_LE(d.lse_abs, tol_lse_across_paths(*shared));
 }
 
 // Decode steps after a prefill are sparse MLA and match the float64 layer reference.
@@ -281,7 +286,8 @@ TEST_P(LayerTest, DecodeAfterPrefillMatchesReference) {
                                   kv_host,
                                   h.ix.desc(),
                                   ix_host,
-                                  h.tables};
+                                  h.tables,
+                                  bf16_mid(h)};
     std::vector<reference::TokenQuery> qs;
     std::vector<int64_t> rows;
     for (const auto& st : out.steps)
@@ -327,6 +333,21 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
       const ModelConfig c = mode == DispatchMode::kDense ? base : small_topk(base, 32);
       const std::vector<int32_t> prompt = {90, 45}, len = {92, 47};
       Harness single(c, GetParam(), KvLayout::kFp8Scaled, 16, len, seed, mode);
+      if (mode == DispatchMode::kDense && !single.be->capabilities().dense_kv_visible) {
+        // Dense DCP needs per-query visible counts; a backend without them must refuse.
+        LayerOptions o;
+        o.policy.mode = mode;
+        DcpSimulation dcp(c, *single.be, world, single.kd, len, single.w, o);
+        Batch batch;
+        batch.prefix_lens = {0, 0};
+        batch.extend_lens = {prompt[0], prompt[1]};
+        std::vector<int64_t> rows;
+        for (int64_t i = 0; i < prompt[0]; ++i) rows.push_back(i);
+        for (int64_t i = 0; i < prompt[1]; ++i) rows.push_back(len[0] + i);
+        const auto in = single.tokens.slice(*single.be, rows);
+        EXPECT_THROW(dcp.forward(batch, in.view()), Error);
+        continue;
+      }
       const RunOutputs a = single.run({{single.zeros(), prompt, 0, ForwardMode::kExtend},
                                        {prompt, len, 1, ForwardMode::kExtend}});
       LayerOptions o;
@@ -373,7 +394,7 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
       const Diff d = compare(a, b, both(a, b));
       EXPECT_EQ(d.rows, 139);
       EXPECT_LE(d.o_rel, tol_f32(single));
-      EXPECT_LE(d.lse_abs, testing::kTolLse);
+      EXPECT_LE(d.lse_abs, tol_lse_across_paths(single));
     }
   }
 }

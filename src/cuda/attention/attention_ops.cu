@@ -133,6 +133,9 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream) {
   const int64_t num_heads = a.q_nope.shape[1];
   const int d_nope = int(a.q_nope.shape[2]), d_rope = int(a.q_pe.shape[2]), d_v = int(a.v.shape[2]);
   const int64_t num_kv = a.k_nope.shape[0];
+  DSAKIT_CHECK(a.kv_visible.ndim == 0, kUnsupported, kOp,
+               ": per-query visible counts (kv_visible, used by the DCP simulation) are not "
+               "supported by the CUDA kernel; supported: the causal default");
   DSAKIT_CHECK(num_kv <= INT32_MAX, kUnsupported, kOp, ": ", num_kv,
                " kv rows; the CUDA kernel supports up to 2^31 - 1");
 
