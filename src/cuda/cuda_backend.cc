@@ -86,7 +86,9 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   stream_ = own_stream_;
   DSAKIT_CUBLAS_CHECK(cublasCreate(&cublas_));
   DSAKIT_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
-  DSAKIT_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));  // no TF32
+  // No TF32, and split-K partial sums reduced in fp32, never in the bf16 output type.
+  DSAKIT_CUBLAS_CHECK(cublasSetMathMode(
+      cublas_, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   // A fixed cuBLAS workspace: cuBLAS then never allocates inside an op (graph capture).
   DSAKIT_CUDA_CHECK(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
   DSAKIT_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));

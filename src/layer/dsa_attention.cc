@@ -46,6 +46,10 @@ DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv
                {h * (config_.qk_nope_head_dim + config_.v_head_dim), config_.kv_lora_rank});
   DSAKIT_CHECK_ARG(options_.output_dtype == DType::kBF16 || options_.output_dtype == DType::kF32,
                    "output dtype: expected bf16 or f32, got ", to_string(options_.output_dtype));
+  DSAKIT_CHECK(options_.output_dtype == DType::kBF16 ||
+                   backend_.capabilities().intermediate_dtype == DType::kF32,
+               kUnsupported, "output dtype f32 needs a backend with f32 intermediates (cpu); ",
+               backend_.capabilities().device_name, " produces bf16 outputs");
   DSAKIT_CHECK_ARG(options_.sm_scale >= 0, "sm_scale: expected > 0 (or 0 for the config's), got ",
                    options_.sm_scale);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();

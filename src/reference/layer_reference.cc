@@ -57,13 +57,16 @@ DenseKv up_project(const LayerSnapshot& s, const RequestKv& kv, const Vec& w, in
   const int dkv = dc + c.qk_rope_head_dim;
   DenseKv out{std::vector<float>(size_t(positions) * h * dn),
               std::vector<float>(size_t(positions) * h * dv)};
+  Vec lat(size_t(positions) * dc);  // the gather hands the projection bf16 latent rows
+  for (int32_t p = 0; p < positions; ++p)
+    for (int d = 0; d < dc; ++d) lat[size_t(p) * dc + d] = bf16_round(kv.kv[size_t(p) * dkv + d]);
 #pragma omp parallel for schedule(dynamic, 4)
   for (int32_t p = 0; p < positions; ++p)
     for (int hh = 0; hh < h; ++hh)
       for (int j = 0; j < dn + dv; ++j) {
         const double* wr = &w[(size_t(hh) * (dn + dv) + j) * dc];
         double acc = 0;
-        for (int d = 0; d < dc; ++d) acc += wr[d] * kv.kv[size_t(p) * dkv + d];
+        for (int d = 0; d < dc; ++d) acc += wr[d] * lat[size_t(p) * dc + d];
         const float r = float(bf16_round(acc));
         if (j < dn) out.k_nope[(size_t(p) * h + hh) * dn + j] = r;
         else out.v[(size_t(p) * h + hh) * dv + (j - dn)] = r;
@@ -151,7 +154,7 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
             acc += double(load_as_float(qn, (row * h + hh) * dn + d)) * dk.k_nope[base * dn + d];
           for (int d = 0; d < dr; ++d)
             acc += double(load_as_float(qp, (row * h + hh) * dr + d)) *
-                   kv.kv[size_t(sel[i]) * dkv + dc + d];
+                   bf16_round(kv.kv[size_t(sel[i]) * dkv + dc + d]);
           sc[i] = acc * s.sm_scale;
           mx = std::max(mx, sc[i]);
         }

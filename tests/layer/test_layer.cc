@@ -38,6 +38,8 @@ struct Harness {
           const std::vector<int32_t>& lengths, uint64_t seed, DispatchMode mode,
           DType out = DType::kF32)
       : cfg(c), be(make_backend(backend)) {
+    // f32 outputs where the backend computes in f32 (CPU); bf16 elsewhere (RunOutputs widens).
+    if (be->capabilities().intermediate_dtype != DType::kF32) out = DType::kBF16;
     kd.layout = layout;
     kd.page_size = page_size;
     kd.d_c = c.kv_lora_rank;
@@ -351,7 +353,7 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
       const RunOutputs a = single.run({{single.zeros(), prompt, 0, ForwardMode::kExtend},
                                        {prompt, len, 1, ForwardMode::kExtend}});
       LayerOptions o;
-      o.output_dtype = DType::kF32;
+      o.output_dtype = bf16_mid(single) ? DType::kBF16 : DType::kF32;
       o.policy.mode = mode;
       KvPoolDesc pd = single.kd;
       pd.num_pages = 8;
