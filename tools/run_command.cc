@@ -88,7 +88,7 @@ struct Progress {
 struct VerifyResult {
   double o_rel = 0, lse_abs = 0, topk_agree = 1;
   int64_t tokens = 0, sparse_tokens = 0;
-  double tol = 0;
+  double tol = 0, lse_tol = 1e-3;
   bool pass = true;
 };
 
@@ -305,10 +305,15 @@ int run_command(const RunOptions& opt) {
     vr.tokens = int64_t(qs.size());
     vr.o_rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
     vr.topk_agree = sets ? double(agree) / double(sets) : 1.0;
+    // lse: 1e-3 (§9); with bf16 intermediates the reference mirrors the backend's rounding
+    // points, but a product within fp32-accumulation error of a bf16 rounding boundary can round
+    // either way and move one score by ~sm_scale·|q_d|·ulp(k_d) (~1e-3 for DeepSeek-V3.2), so the
+    // layer-level bound there is 5e-3 (docs/numerics.md).
+    vr.lse_tol = snap.bf16_intermediates ? 5e-3 : 1e-3;
     vr.tol = opt.verify_tol > 0 ? opt.verify_tol : kd.layout == KvLayout::kBf16 ? 1e-2 : 3e-2;
     // Top-k sets may differ only through near-ties between fp32 and float64 scores; the output
     // error bound covers their effect, so the set agreement is reported, not gated.
-    vr.pass = vr.o_rel <= vr.tol && vr.lse_abs <= 1e-3;
+    vr.pass = vr.o_rel <= vr.tol && vr.lse_abs <= vr.lse_tol;
   }
 
   // ---- save ---------------------------------------------------------------------------------
@@ -388,9 +393,13 @@ int run_command(const RunOptions& opt) {
     for (const auto& s : stage_order) j["stages_ms"][s] = stage_ms[s];
     j["wall_ms"] = wall_ms;
     if (opt.verify)
-      j["verify"] = {{"tokens", vr.tokens},       {"o_rel_l2", vr.o_rel},
-                     {"lse_max_abs", vr.lse_abs}, {"topk_agreement", vr.topk_agree},
-                     {"tolerance", vr.tol},       {"pass", vr.pass}};
+      j["verify"] = {{"tokens", vr.tokens},
+                     {"o_rel_l2", vr.o_rel},
+                     {"lse_max_abs", vr.lse_abs},
+                     {"topk_agreement", vr.topk_agree},
+                     {"tolerance", vr.tol},
+                     {"lse_tolerance", vr.lse_tol},
+                     {"pass", vr.pass}};
     if (!opt.save.empty()) j["saved"] = opt.save;
     fmt::print("{}\n", j.dump(2));
   } else if (!opt.quiet) {
@@ -406,9 +415,9 @@ int run_command(const RunOptions& opt) {
     if (opt.verify)
       fmt::print(
           "verify   {} tokens ({} via top-k): o rel-L2 {:.3e} (tol {:.1e}), lse max abs {:.3e} "
-          "(tol 1e-3), top-k sets equal {:.1f}%  -> {}\n",
-          vr.tokens, vr.sparse_tokens, vr.o_rel, vr.tol, vr.lse_abs, 100 * vr.topk_agree,
-          vr.pass ? "PASS" : "FAIL");
+          "(tol {:.0e}), top-k sets equal {:.1f}%  -> {}\n",
+          vr.tokens, vr.sparse_tokens, vr.o_rel, vr.tol, vr.lse_abs, vr.lse_tol,
+          100 * vr.topk_agree, vr.pass ? "PASS" : "FAIL");
     if (!opt.save.empty()) fmt::print("saved    {}\n", opt.save);
   }
   return vr.pass ? 0 : kExitVerifyFailed;

@@ -68,8 +68,10 @@ DenseKv up_project(const LayerSnapshot& s, const RequestKv& kv, const Vec& w, in
         double acc = 0;
         for (int d = 0; d < dc; ++d) acc += wr[d] * lat[size_t(p) * dc + d];
         const float r = float(bf16_round(acc));
-        if (j < dn) out.k_nope[(size_t(p) * h + hh) * dn + j] = r;
-        else out.v[(size_t(p) * h + hh) * dv + (j - dn)] = r;
+        if (j < dn)
+          out.k_nope[(size_t(p) * h + hh) * dn + j] = r;
+        else
+          out.v[(size_t(p) * h + hh) * dv + (j - dn)] = r;
       }
   return out;
 }
@@ -184,7 +186,8 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
         for (int d = 0; d < dc; ++d) q576[size_t(d)] += qj * wk[d];
       }
       for (int d = 0; d < dc; ++d) q576[size_t(d)] = mid(q576[size_t(d)]);
-      for (int j = 0; j < dr; ++j) q576[size_t(dc + j)] = load_as_float(qp, (row * h + hh) * dr + j);
+      for (int j = 0; j < dr; ++j)
+        q576[size_t(dc + j)] = load_as_float(qp, (row * h + hh) * dr + j);
       Vec sc(sel.size());
       double mx = -std::numeric_limits<double>::infinity();
       for (size_t i = 0; i < sel.size(); ++i) {
@@ -202,8 +205,8 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
         const double* kr = &kv.kv[size_t(sel[i]) * dkv];
         for (int d = 0; d < dc; ++d) olat[size_t(d)] += e * kr[d];
       }
-      out.lse[size_t(qi) * h + hh] = sel.empty() ? std::numeric_limits<double>::infinity()
-                                                 : mx + std::log(sum);
+      out.lse[size_t(qi) * h + hh] =
+          sel.empty() ? std::numeric_limits<double>::infinity() : mx + std::log(sum);
       for (int d = 0; d < dc; ++d) olat[size_t(d)] = sel.empty() ? 0.0 : mid(olat[size_t(d)] / sum);
       for (int j = 0; j < dv; ++j) {
         const double* wv = &w[(size_t(hh) * (dn + dv) + dn + j) * dc];

@@ -110,11 +110,23 @@ bool bf16_mid(const Harness& h) {
   return h.be->capabilities().intermediate_dtype == DType::kBF16;
 }
 // Output bound for f32 outputs: 1e-5 with f32 intermediates (CPU), the bf16 bound otherwise.
-double tol_f32(const Harness& h) { return bf16_mid(h) ? testing::kTolBf16 : testing::kTolF32; }
+double tol_f32(const Harness& h) {
+  return bf16_mid(h) ? testing::kTolBf16 : testing::kTolF32;
+}
 // lse bound between two runs that may round at different points (dense vs sparse): with bf16
-// intermediates the up-projected K (dense) and the absorbed q (sparse) are rounded differently,
-// which moves scores by up to ~2^-8 of their size (docs/numerics.md).
-double tol_lse_across_paths(const Harness& h) { return bf16_mid(h) ? 1e-2 : testing::kTolLse; }
+// intermediates the up-projected K (dense) and the absorbed q (sparse) each carry a relative
+// rounding of 2^-9 per element, i.e. score noise of std ~sm_scale·2^-9·sqrt(d)·|q||k|/sqrt(3)
+// (~2.4e-3 for DeepSeek-V3.2); over thousands of (token, head) rows the largest lse difference
+// reaches ~6 sigma, hence 3e-2 (docs/numerics.md). The CPU backend (f32) keeps 1e-3.
+double tol_lse_across_paths(const Harness& h) {
+  return bf16_mid(h) ? 3e-2 : testing::kTolLse;
+}
+// lse bound against the float64 reference that mirrors the backend's rounding points: with bf16
+// intermediates a product within fp32-accumulation error of a bf16 rounding boundary can round
+// either way, moving one score by ~sm_scale·|q_d|·ulp(k_d) (~1e-3 for DeepSeek-V3.2).
+double tol_lse_vs_reference(const Harness& h) {
+  return bf16_mid(h) ? 5e-3 : testing::kTolLse;
+}
 
 class LayerTest : public ::testing::TestWithParam<std::string> {};
 
@@ -308,7 +320,7 @@ TEST_P(LayerTest, DecodeAfterPrefillMatchesReference) {
         got_lse.push_back(out.lse.ptr<float>()[row * c.num_heads + j]);
     }
     EXPECT_LE(testing::rel_l2(got, ref.o), tol_f32(h));
-    EXPECT_LE(testing::max_abs_diff(got_lse, ref.lse), testing::kTolLse);
+    EXPECT_LE(testing::max_abs_diff(got_lse, ref.lse), tol_lse_vs_reference(h));
   }
 }
 
@@ -380,7 +392,8 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
         const int64_t od = o.numel() / int64_t(rows.size()),
                       ld = lse.numel() / int64_t(rows.size());
         for (size_t i = 0; i < rows.size(); ++i) {
-          std::copy_n(o.ptr<float>() + int64_t(i) * od, od, b.o.ptr<float>() + rows[i] * od);
+          for (int64_t j = 0; j < od; ++j)  // o is bf16 or f32, per the backend
+            b.o.ptr<float>()[rows[i] * od + j] = load_as_float(o.view(), int64_t(i) * od + j);
           std::copy_n(lse.ptr<float>() + int64_t(i) * ld, ld, b.lse.ptr<float>() + rows[i] * ld);
           b.ran[size_t(rows[i])] = 1;
         }
