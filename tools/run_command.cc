@@ -1,6 +1,7 @@
 #include "tools/run_command.h"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -85,6 +86,22 @@ struct Progress {
   }
 };
 
+// Memory of a run: what the pools hold, the largest layer-call workspace (the layer's estimate
+// over every step run) and the process's peak resident set.
+struct MemoryReport {
+  int64_t pool_bytes = 0;
+  int64_t peak_workspace_bytes = 0;
+  int64_t max_rss_bytes = 0;
+};
+
+int64_t max_rss_bytes() {
+  rusage ru{};
+  if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+  return int64_t(ru.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+double mib(int64_t bytes) { return double(bytes) / double(1 << 20); }
+
 struct VerifyResult {
   double o_rel = 0, lse_abs = 0, topk_agree = 1;
   int64_t tokens = 0, sparse_tokens = 0;
@@ -105,6 +122,8 @@ int run_command(const RunOptions& opt) {
                    opt.verify_tokens);
   DSAKIT_CHECK_ARG(opt.verify_tol >= 0 && opt.verify_tol < 1, "--verify-tol: expected [0, 1), got ",
                    opt.verify_tol);
+  DSAKIT_CHECK_ARG(opt.max_workspace_mb >= 0 && opt.max_workspace_mb <= (int64_t(1) << 40),
+                   "--max-workspace-mb: expected 0..2^40 (0: no limit), got ", opt.max_workspace_mb);
 
   // ---- lengths and inputs -----------------------------------------------------------------
   Lengths len;
@@ -168,6 +187,7 @@ int run_command(const RunOptions& opt) {
   lo.policy.threshold = opt.threshold;
   lo.policy.allow_approximation = opt.allow_approx;
   lo.time_stages = true;
+  lo.max_workspace_bytes = opt.max_workspace_mb << 20;
   DsaAttention layer(cfg, *be, kv_pool, index_pool, kv_b_proj, lo);
 
   if (!opt.quiet && !opt.json) {
@@ -222,6 +242,13 @@ int run_command(const RunOptions& opt) {
       stage_ms[sg.stage] += sg.ms;
     }
   }
+
+  MemoryReport mem;
+  mem.pool_bytes =
+      int64_t(kv_pool.storage().nbytes()) + int64_t(index_pool.storage().nbytes());
+  for (const auto& st : out.steps)
+    mem.peak_workspace_bytes =
+        std::max(mem.peak_workspace_bytes, layer.workspace_bytes(st.batch, st.plan.path));
 
   // ---- verify against the float64 reference on sampled tokens ----------------------------
   VerifyResult vr;
@@ -375,6 +402,8 @@ int run_command(const RunOptions& opt) {
     w.write(opt.save);
   }
 
+  mem.max_rss_bytes = max_rss_bytes();  // after verify and save: the whole run's peak
+
   // ---- print --------------------------------------------------------------------------------
   if (opt.json) {
     json j;
@@ -392,6 +421,9 @@ int run_command(const RunOptions& opt) {
     j["stages_ms"] = json::object();
     for (const auto& s : stage_order) j["stages_ms"][s] = stage_ms[s];
     j["wall_ms"] = wall_ms;
+    j["memory"] = {{"pool_bytes", mem.pool_bytes},
+                   {"peak_layer_workspace_bytes", mem.peak_workspace_bytes},
+                   {"max_rss_bytes", mem.max_rss_bytes}};
     if (opt.verify)
       j["verify"] = {{"tokens", vr.tokens},
                      {"o_rel_l2", vr.o_rel},
@@ -412,6 +444,10 @@ int run_command(const RunOptions& opt) {
       sum += stage_ms[s];
     }
     fmt::print("  {:<18} {:>10.3f}   (wall {:.1f} ms incl. host staging)\n", "total", sum, wall_ms);
+    fmt::print(
+        "memory   pools {:.1f} MiB, layer workspace {:.1f} MiB (peak estimate over steps), max "
+        "RSS {:.1f} MiB\n",
+        mib(mem.pool_bytes), mib(mem.peak_workspace_bytes), mib(mem.max_rss_bytes));
     if (opt.verify)
       fmt::print(
           "verify   {} tokens ({} via top-k): o rel-L2 {:.3e} (tol {:.1e}), lse max abs {:.3e} "

@@ -32,6 +32,7 @@ struct RunOptions {
   std::string save;
   bool json = false;
   bool quiet = false;
+  int64_t max_workspace_mb = 0;  // LayerOptions::max_workspace_bytes in MiB; 0: no limit
 };
 
 // Returns the process exit code; throws dsakit::Error for bad input.

@@ -43,6 +43,9 @@ struct LayerOptions {
   DType output_dtype = DType::kBF16;  // bf16 or f32
   DispatchPolicy policy;
   bool time_stages = false;  // synchronize around each stage and record wall time
+  // Upper bound on workspace_bytes() of one forward call; 0: no limit. A call over the limit
+  // throws Error(kResource) before anything is stored or computed.
+  int64_t max_workspace_bytes = 0;
 };
 
 // Checks layer inputs against the config for T new tokens on `device` (throws naming the tensor).
@@ -64,6 +67,13 @@ class DsaAttention {
 
   // The dispatcher's decision for `batch` (validates the batch against the pools).
   Plan plan(const Batch& batch) const;
+
+  // Bytes of device memory one forward call over the valid `batch` allocates when it takes
+  // `path`: the outputs, the index arrays, the path's intermediates (dense: gathered and
+  // up-projected K/V of all Σ L_r positions; sparse: top-k, locations, q_abs, o_lat) and the
+  // indexer's row-block buffers (at most 256 MiB). Kernel-internal scratch (per-thread tiles,
+  // f32 staging of bf16 operands) is not included.
+  int64_t workspace_bytes(const Batch& batch, AttentionPath path) const;
 
   // Validates everything (batch, page tables, input shapes) before the first write; then stores
   // the new tokens, plans and runs. A rejected call leaves both pools untouched.

@@ -69,46 +69,6 @@ void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const 
   check_tensor(gate, "gate", DType::kF32, dev, {t, h});
 }
 
-int64_t indexer_args(const IndexerArgs& a, Device dev, const int32_t* host_kv_locs,
-                     const int32_t* host_kv_start, const int32_t* host_ctx_len) {
-  DSAKIT_CHECK_ARG(a.keys != nullptr, "indexer: keys (index-key pool) is null");
-  DSAKIT_CHECK_ARG(a.keys->device() == dev, "indexer: index-key pool lives on ",
-                   to_string(a.keys->device()), ", backend on ", to_string(dev));
-  const int d_i = a.keys->desc().d_i;
-  check_tensor(a.q8, "q8", DType::kU8, dev, {-1, -1, d_i});
-  const int64_t t = a.q8.shape[0], h = a.q8.shape[1];
-  check_tensor(a.gate, "gate", DType::kF32, dev, {t, h});
-  check_tensor(a.kv_locs, "kv_locs", DType::kI32, dev, {-1});
-  check_tensor(a.kv_start, "kv_start", DType::kI32, dev, {t});
-  check_tensor(a.ctx_len, "ctx_len", DType::kI32, dev, {t});
-  const int64_t n_kv = a.kv_locs.shape[0];
-  int64_t max_ctx = 0;
-  if (host_kv_start && host_ctx_len) {
-    for (int64_t i = 0; i < t; ++i) {
-      DSAKIT_CHECK_ARG(host_ctx_len[i] >= 0, "ctx_len[", i, "]: expected >= 0, got ",
-                       host_ctx_len[i]);
-      DSAKIT_CHECK_ARG(host_kv_start[i] >= 0 && int64_t(host_kv_start[i]) + host_ctx_len[i] <= n_kv,
-                       "kv_start[", i, "] + ctx_len[", i, "] = ", host_kv_start[i], " + ",
-                       host_ctx_len[i], ": expected within kv_locs of ", n_kv, " entries");
-      max_ctx = std::max<int64_t>(max_ctx, host_ctx_len[i]);
-    }
-  }
-  check_locs_values(host_kv_locs, host_kv_locs ? n_kv : 0, a.keys->desc().num_locations(),
-                    "kv_locs", false);
-  return max_ctx;
-}
-
-void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
-                        const TensorView& logits, int64_t max_ctx, Device dev) {
-  const int64_t t = a.q8.shape[0];
-  DSAKIT_CHECK_ARG(0 <= row_begin && row_begin <= row_end && row_end <= t,
-                   "indexer_logits rows: expected 0 <= begin <= end <= ", t, ", got [", row_begin,
-                   ", ", row_end, ")");
-  check_tensor(logits, "logits", DType::kF32, dev, {row_end - row_begin, -1});
-  DSAKIT_CHECK_ARG(logits.shape[1] >= max_ctx, "logits: width ", logits.shape[1],
-                   " is smaller than the longest context ", max_ctx);
-}
-
 namespace {
 
 // The key side of the indexer for T tokens: pool on `dev`, kv_locs i32 [N_kv], kv_start and
@@ -136,6 +96,30 @@ int64_t check_index_layout(const IndexerArgs& a, int64_t t, Device dev, const in
 }
 
 }  // namespace
+
+int64_t indexer_args(const IndexerArgs& a, Device dev, const int32_t* host_kv_locs,
+                     const int32_t* host_kv_start, const int32_t* host_ctx_len) {
+  DSAKIT_CHECK_ARG(a.keys != nullptr, "indexer: keys (index-key pool) is null");
+  DSAKIT_CHECK_ARG(a.keys->device() == dev, "indexer: index-key pool lives on ",
+                   to_string(a.keys->device()), ", backend on ", to_string(dev));
+  const int d_i = a.keys->desc().d_i;
+  check_tensor(a.q8, "q8", DType::kU8, dev, {-1, -1, d_i});
+  const int64_t t = a.q8.shape[0], h = a.q8.shape[1];
+  check_tensor(a.gate, "gate", DType::kF32, dev, {t, h});
+  return check_index_layout(a, t, dev, host_kv_locs, host_kv_start, host_ctx_len);
+}
+
+void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
+                        const TensorView& logits, int64_t max_ctx, Device dev) {
+  const int64_t t = a.q8.shape[0];
+  DSAKIT_CHECK_ARG(0 <= row_begin && row_begin <= row_end && row_end <= t,
+                   "indexer_logits rows: expected 0 <= begin <= end <= ", t, ", got [", row_begin,
+                   ", ", row_end, ")");
+  check_tensor(logits, "logits", DType::kF32, dev, {row_end - row_begin, -1});
+  DSAKIT_CHECK_ARG(logits.shape[1] >= max_ctx, "logits: width ", logits.shape[1],
+                   " is smaller than the longest context ", max_ctx);
+}
+
 
 int64_t indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
                      int k, const TensorView& out, Device dev, const int32_t* host_kv_locs,

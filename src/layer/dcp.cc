@@ -6,6 +6,7 @@
 
 #include "dsakit/driver.h"
 #include "dsakit/error.h"
+#include "src/layer/paths.h"
 
 namespace dsakit {
 
@@ -202,35 +203,10 @@ LayerResult DcpSimulation::forward(const Batch& batch, const LayerInputs& in) {
     Tensor o_w = be.empty(mid, {t, h, d_part});
     Tensor lse_w = be.empty(DType::kF32, {t, h});
     const Tensor kv_locs = be.to_device(host_i32(l.kv_locs));
+    const detail::StageFn run = [](const char*, const std::function<void()>& fn) { fn(); };
     if (dense) {
-      const int64_t n = int64_t(l.kv_locs.size());
-      Tensor c_all = be.empty(mid, {n, dc});
-      Tensor kpe_all = be.empty(mid, {n, c.qk_rope_head_dim});
-      be.gather_kv(rank.kv, kv_locs, c_all, kpe_all);
-      Tensor k_nope = be.empty(mid, {n, h, c.qk_nope_head_dim});
-      Tensor v = be.empty(mid, {n, h, dv});
-      be.up_proj_kv(c_all, kv_b_proj_, k_nope, v);
-      const Tensor cu_q = be.to_device(
-          make_view(const_cast<int32_t*>(gi.cu_q.data()), DType::kI32, Device::kCpu, {b + 1}));
-      const Tensor cu_kv = be.to_device(host_i32(l.cu_kv));
-      const Tensor visible = be.to_device(host_i32(l.visible));
-      DenseMhaArgs a;
-      a.q_nope = in.q_nope;
-      a.q_pe = in.q_pe;
-      a.k_nope = k_nope;
-      a.k_pe = kpe_all;
-      a.v = v;
-      a.cu_q = cu_q;
-      a.cu_kv = cu_kv;
-      a.cu_q_host = gi.cu_q.data();
-      a.cu_kv_host = l.cu_kv.data();
-      a.kv_visible = visible;
-      a.kv_visible_host = l.visible.data();
-      a.num_requests = b;
-      a.sm_scale = sm_scale_;
-      a.o = o_w;
-      a.lse = lse_w;
-      be.dense_mha(a);
+      detail::dense_path(be, c, sm_scale_, rank.kv, kv_locs, in.q_nope, in.q_pe, kv_b_proj_,
+                         gi.cu_q, l.cu_kv, &l.visible, o_w, lse_w, run);
     } else {
       std::vector<int32_t> locs(size_t(t * k), -1);
       for (int64_t i = 0; i < t; ++i) {
@@ -244,15 +220,7 @@ LayerResult DcpSimulation::forward(const Batch& batch, const LayerInputs& in) {
       }
       const Tensor indices =
           be.to_device(make_view(locs.data(), DType::kI32, Device::kCpu, {t, k}));
-      SparseMlaArgs a;
-      a.q_abs = q_abs;
-      a.q_pe = in.q_pe;
-      a.kv = &rank.kv;
-      a.indices = indices;
-      a.sm_scale = sm_scale_;
-      a.o_lat = o_w;
-      a.lse = lse_w;
-      be.sparse_mla(a);
+      detail::sparse_attention(be, sm_scale_, rank.kv, q_abs, in.q_pe, indices, o_w, lse_w, run);
     }
     copy_to_f32(be, o_w, o_dst);
     copy_to_f32(be, lse_w, lse_dst);

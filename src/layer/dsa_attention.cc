@@ -1,9 +1,11 @@
 // The layer call: validate -> store -> plan -> dense MHA or sparse MLA -> outputs.
+#include <algorithm>
 #include <chrono>
 #include <functional>
 
 #include "dsakit/error.h"
 #include "dsakit/layer.h"
+#include "src/layer/paths.h"
 
 namespace dsakit {
 
@@ -12,6 +14,9 @@ namespace {
 TensorView host_view(const std::vector<int32_t>& v) {
   return make_view(const_cast<int32_t*>(v.data()), DType::kI32, Device::kCpu, {int64_t(v.size())});
 }
+
+// Bound on the indexer's row-block buffers (the backends' default indexer workspace).
+constexpr int64_t kIndexerBlockBytes = int64_t(256) << 20;
 
 }  // namespace
 
@@ -52,6 +57,9 @@ DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv
                backend_.capabilities().device_name, " produces bf16 outputs");
   DSAKIT_CHECK_ARG(options_.sm_scale >= 0, "sm_scale: expected > 0 (or 0 for the config's), got ",
                    options_.sm_scale);
+  DSAKIT_CHECK_ARG(options_.max_workspace_bytes >= 0,
+                   "max_workspace_bytes: expected >= 0 (0: no limit), got ",
+                   options_.max_workspace_bytes);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();
 }
 
@@ -71,12 +79,42 @@ Plan DsaAttention::plan(const Batch& batch) const {
                     options_.policy.with_env());
 }
 
+int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) const {
+  const auto& c = config_;
+  const int64_t t = batch.num_new_tokens(), n = batch.total_kv_len(), h = c.num_heads;
+  const int64_t mid = int64_t(dtype_size(backend_.capabilities().intermediate_dtype));
+  // Outputs o, lse; index arrays new_locs [T], kv_locs [N].
+  int64_t bytes = t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h + 4 * (t + n);
+  if (path == AttentionPath::kDenseMha) {
+    // c_kv, k_pe of every position; k_nope, v up-projected per head; cu_q, cu_kv.
+    bytes += mid * n * (c.kv_lora_rank + c.qk_rope_head_dim) +
+             mid * n * h * (c.qk_nope_head_dim + c.v_head_dim) +
+             8 * (int64_t(batch.num_requests()) + 1);
+    return bytes;
+  }
+  // kv_start, ctx_len [T]; top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c].
+  const int64_t k = c.index_topk;
+  bytes += 8 * t + 8 * t * k + 2 * mid * t * h * c.kv_lora_rank;
+  // Indexer row blocks: q8, gate, per-row offsets, logits over the longest context, selection.
+  const int64_t row = int64_t(c.index_n_heads) * (c.index_head_dim + 4) + 8 +
+                      4 * int64_t(batch.max_kv_len()) + 4 * k;
+  bytes += std::max(row, std::min(row * t, kIndexerBlockBytes));
+  return bytes;
+}
+
 LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
   // ---- validation: nothing is written before all of it passes ----------------------------
   LayerResult res;
   res.plan = plan(batch);
   const int64_t t = batch.num_new_tokens();
   check_layer_inputs(config_, backend_.device(), in, t);
+  if (options_.max_workspace_bytes > 0) {
+    const int64_t need = workspace_bytes(batch, res.plan.path);
+    DSAKIT_CHECK(need <= options_.max_workspace_bytes, kResource, "max_workspace_bytes: the ",
+                 to_string(res.plan.path), " path over ", t, " new tokens and ",
+                 batch.total_kv_len(), " positions needs ", need, " bytes of workspace, over the ",
+                 "limit of ", options_.max_workspace_bytes, " bytes");
+  }
 
   const auto& c = config_;
   const int64_t h = c.num_heads;
@@ -84,7 +122,7 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
   const DType mid = backend_.capabilities().intermediate_dtype;
   Backend& be = backend_;
 
-  auto stage = [&](const char* name, const std::function<void()>& fn) {
+  const detail::StageFn stage = [&](const char* name, const std::function<void()>& fn) {
     if (!options_.time_stages) return fn();
     be.synchronize();
     const auto t0 = std::chrono::steady_clock::now();
@@ -108,32 +146,10 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
     be.store_index_keys(index_pool_, new_locs, in.idx_k);
   });
 
-  const int64_t n = int64_t(bi.kv_locs.size());
   if (res.plan.path == AttentionPath::kDenseMha) {
-    // ---- dense MHA: re-read every position (prefix included) through the pool format -------
-    Tensor c_all = be.empty(mid, {n, c.kv_lora_rank});
-    Tensor kpe_all = be.empty(mid, {n, c.qk_rope_head_dim});
-    stage("gather", [&] { be.gather_kv(kv_pool_, kv_locs, c_all, kpe_all); });
-    Tensor k_nope = be.empty(mid, {n, h, c.qk_nope_head_dim});
-    Tensor v = be.empty(mid, {n, h, c.v_head_dim});
-    stage("up_proj_kv", [&] { be.up_proj_kv(c_all, kv_b_proj_, k_nope, v); });
-    const Tensor cu_q = be.to_device(host_view(bi.cu_q));
-    const Tensor cu_kv = be.to_device(host_view(bi.cu_kv));
-    DenseMhaArgs a;
-    a.q_nope = in.q_nope;
-    a.q_pe = in.q_pe;
-    a.k_nope = k_nope;
-    a.k_pe = kpe_all;
-    a.v = v;
-    a.cu_q = cu_q;
-    a.cu_kv = cu_kv;
-    a.cu_q_host = bi.cu_q.data();
-    a.cu_kv_host = bi.cu_kv.data();
-    a.num_requests = batch.num_requests();
-    a.sm_scale = sm_scale_;
-    a.o = res.o;
-    a.lse = res.lse;
-    stage("dense_mha", [&] { be.dense_mha(a); });
+    // Dense MHA re-reads every position (prefix included) through the pool format.
+    detail::dense_path(be, c, sm_scale_, kv_pool_, kv_locs, in.q_nope, in.q_pe, kv_b_proj_, bi.cu_q,
+                       bi.cu_kv, nullptr, res.o, res.lse, stage);
     return res;
   }
 
@@ -154,15 +170,7 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
   Tensor q_abs = be.empty(mid, {t, h, c.kv_lora_rank});
   stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj_, c.v_head_dim, q_abs); });
   Tensor o_lat = be.empty(mid, {t, h, c.kv_lora_rank});
-  SparseMlaArgs a;
-  a.q_abs = q_abs;
-  a.q_pe = in.q_pe;
-  a.kv = &kv_pool_;
-  a.indices = locs;
-  a.sm_scale = sm_scale_;
-  a.o_lat = o_lat;
-  a.lse = res.lse;
-  stage("sparse_mla", [&] { be.sparse_mla(a); });
+  detail::sparse_attention(be, sm_scale_, kv_pool_, q_abs, in.q_pe, locs, o_lat, res.lse, stage);
   stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj_, c.qk_nope_head_dim, res.o); });
   return res;
 }

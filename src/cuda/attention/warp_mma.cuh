@@ -1,6 +1,7 @@
-// Warp-level building blocks shared by the sm_90a attention kernels: cp.async gathers into
-// XOR-swizzled shared memory, ldmatrix fragment loads, bf16 mma.sync.m16n8k16 with fp32
-// accumulation, and quad reductions for the online softmax.
+// Warp-level building blocks shared by the sm_90a attention kernels and the tensor-core indexer
+// logits: cp.async gathers into XOR-swizzled shared memory, ldmatrix fragment loads, bf16
+// mma.sync.m16n8k16 and e4m3 mma.sync.m16n8k32 with fp32 results, and quad reductions for the
+// online softmax.
 //
 // This is the one place that knows the MMA core. The wgmma/TMA version replaces these
 // fragment loaders and the mma call; the kernels' tiling and softmax stay (docs/kernels.md).
@@ -120,6 +121,22 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d = a · b for one 16x8x32 tile of e4m3 codes (sm_89+), fp32 result; the accumulator input is
+// zero, so callers sum successive k-steps in fp32 on the CUDA cores. (Hopper's FP8 MMA keeps
+// about 13 mantissa bits when it adds the accumulator input; summing outside keeps fp32.)
+// The 8-bit fragments are the bf16 m16n8k16 fragments above read as bytes: a[0] holds row g,
+// k bytes 4q..4q+3; a[1] row g+8; a[2] / a[3] the same rows at k bytes 16+4q..; b[0] holds
+// k bytes 4q..4q+3 of column g, b[1] k bytes 16+4q... A k-step is therefore one pair of
+// 16-byte chunks, and load_a_frag / load_bt_frag_* serve e4m3 tiles unchanged.
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
 }
 
 // Two fp32 values as one register of two bf16 (lo = first), round to nearest even.

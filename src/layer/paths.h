@@ -1,0 +1,33 @@
+// The attention half of each path over a pool, shared by DsaAttention (one rank) and
+// DcpSimulation (one call per rank): the same gather → up-projection → dense MHA chain, and the
+// same absorbed sparse attention, so the two drivers cannot drift apart.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "dsakit/backend.h"
+#include "dsakit/config.h"
+
+namespace dsakit::detail {
+
+// Runs fn, timed under `name` when the caller records stage times.
+using StageFn = std::function<void(const char* name, const std::function<void()>& fn)>;
+
+// Dense MHA of T queries over kv_locs (i32 [N] on the device: every key row, request-major):
+// gather from the pool (dequantized to the backend's intermediate dtype), up-project K/V with
+// kv_b_proj, causal varlen attention. cu_q / cu_kv: host prefix sums [B+1]; kv_visible: optional
+// per-query visible counts (host, [T]; DCP shards). Writes o [T, H, d_v] and lse [T, H].
+void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& pool,
+                const TensorView& kv_locs, const TensorView& q_nope, const TensorView& q_pe,
+                const TensorView& kv_b_proj, const std::vector<int32_t>& cu_q,
+                const std::vector<int32_t>& cu_kv, const std::vector<int32_t>* kv_visible,
+                const TensorView& o, const TensorView& lse, const StageFn& stage);
+
+// Absorbed sparse attention over pool locations: o_lat [T, H, d_c] and lse [T, H] from
+// q_abs [T, H, d_c], q_pe [T, H, d_rope] and indices i32 [T, k] (pool locations, -1 skipped).
+void sparse_attention(Backend& be, double sm_scale, const PagedKvPool& pool,
+                      const TensorView& q_abs, const TensorView& q_pe, const TensorView& indices,
+                      const TensorView& o_lat, const TensorView& lse, const StageFn& stage);
+
+}  // namespace dsakit::detail

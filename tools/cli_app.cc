@@ -1,0 +1,263 @@
+// dsakit: the command line. Subcommands: run, plan, info. run_cli() is main() without the
+// process: the fuzz target fuzz/fuzz_cli.cc calls it in-process.
+#include "tools/cli_app.h"
+
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "dsakit/backend.h"
+#include "dsakit/error.h"
+#include "dsakit/plan.h"
+#include "tools/cli_common.h"
+#include "tools/run_command.h"
+
+namespace dsakit::cli {
+namespace {
+
+struct PlanOptions {
+  std::string model = "deepseek-v3.2";
+  int tp = 8;
+  std::string device = "cuda";
+  int arch = 90;
+  std::string kv = "fp8";
+  std::string prompts = "1500,700";
+  std::string prefix;
+  std::string mode = "extend";
+  bool speculative = false, cuda_graph = false, context_parallel = false, hisparse = false;
+  std::string dispatch = "rule";
+  int64_t threshold = -1;
+  bool allow_approx = false;
+  int64_t chunk_capacity = 131072;
+  bool json = false;
+};
+
+int plan_command(const PlanOptions& o) {
+  const ModelConfig cfg = load_model(o.model, o.tp);
+  const auto total = parse_int_list(o.prompts, "--prompts", 1);
+  const auto prefix = o.prefix.empty() ? std::vector<int32_t>(total.size(), 0)
+                                       : parse_int_list(o.prefix, "--prefix", 0);
+  DSAKIT_CHECK_ARG(prefix.size() == total.size(), "--prefix: expected ", total.size(),
+                   " values (one per prompt), got ", prefix.size());
+  Batch batch;
+  batch.mode = parse_forward_mode(o.mode);
+  for (size_t r = 0; r < total.size(); ++r) {
+    DSAKIT_CHECK_ARG(prefix[r] < total[r], "--prefix: request ", r, " prefix ", prefix[r],
+                     " must be shorter than its length ", total[r]);
+    batch.prefix_lens.push_back(prefix[r]);
+    batch.extend_lens.push_back(total[r] - prefix[r]);
+  }
+  batch.speculative = o.speculative;
+  batch.cuda_graph = o.cuda_graph;
+  batch.context_parallel = o.context_parallel;
+  batch.hierarchical_sparse_cache = o.hisparse;
+  Capabilities caps;
+  if (o.device == "cpu") {
+    caps.device = Device::kCpu;
+    caps.device_name = "cpu";
+    caps.dense_mha = true;
+  } else if (o.device == "cuda") {
+    DSAKIT_CHECK_ARG(o.arch >= 50 && o.arch <= 200, "--arch: expected an sm number like 90, got ",
+                     o.arch);
+    caps.device = Device::kCuda;
+    caps.sm_arch = o.arch;
+    caps.device_name = fmt::format("cuda sm_{}", o.arch);
+    caps.dense_mha = o.arch == 90 || o.arch == 100;
+  } else {
+    DSAKIT_FAIL(kInvalidArgument, "--device: expected cpu or cuda, got '", o.device, "'");
+  }
+  DispatchPolicy policy;
+  policy.mode = parse_dispatch_mode(o.dispatch);
+  policy.threshold = o.threshold;
+  policy.allow_approximation = o.allow_approx;
+  policy.chunk_capacity = o.chunk_capacity;
+  const Plan plan = plan_batch(batch, cfg, parse_kv_layout(o.kv), caps, policy.with_env());
+  if (o.json) {
+    nlohmann::json j = {{"path", to_string(plan.path)},
+                        {"mode", to_string(plan.mode)},
+                        {"rule", plan.rule},
+                        {"approximate", plan.approximate},
+                        {"reason", plan.reason}};
+    fmt::print("{}\n", j.dump(2));
+  } else {
+    fmt::print("{}: {}\n", to_string(plan.path), plan.reason);
+  }
+  return 0;
+}
+
+int info_command() {
+  fmt::print("dsakit {}\n", DSAKIT_VERSION);
+  fmt::print("backends: cpu{}\n", cuda_backend_compiled() ? ", cuda (sm_90a)" : "");
+  auto cpu = make_cpu_backend();
+  fmt::print("  cpu   {} (dense MHA: yes; any head dims)\n", cpu->capabilities().device_name);
+  const int n = cuda_device_count();
+  if (!cuda_backend_compiled()) {
+    fmt::print("  cuda  not built (no nvcc at configure time)\n");
+  } else if (n == 0) {
+    fmt::print("  cuda  built for sm_90a; no GPU visible\n");
+  } else {
+    for (int i = 0; i < n; ++i) {
+      try {
+        auto be = make_cuda_backend(i);
+        const auto& c = be->capabilities();
+        fmt::print("  cuda:{} {} (sm_{}, dense MHA: {})\n", i, c.device_name, c.sm_arch,
+                   c.dense_mha ? "yes" : "no");
+      } catch (const Error& e) {
+        fmt::print("  cuda:{} unusable: {}\n", i, e.what());
+      }
+    }
+  }
+  fmt::print(
+      "kernels: sparse MLA d_qk 576 / d_v 512 (pool layouts bf16, fp8, fp8-raw); dense MHA "
+      "d_qk/d_v 192/128 and 256/256 on CUDA, any on CPU; presets:");
+  for (const auto& p : ModelConfig::preset_names()) fmt::print(" {}", p);
+  fmt::print("\n");
+  return 0;
+}
+
+void add_model_flags(CLI::App* app, std::string& model, int& tp) {
+  app->add_option("--model", model,
+                  "Model: a preset (deepseek-v3.2, glm-5) or a Hugging Face config.json path")
+      ->capture_default_str();
+  app->add_option("--tp", tp, "Tensor-parallel size: each rank holds H/tp attention heads")
+      ->capture_default_str();
+}
+
+}  // namespace
+
+int run_cli(int argc, char** argv) {
+  CLI::App app{
+      "dsakit: DeepSeek Sparse Attention prefill (sparse MLA and dense MHA) over a paged MLA KV "
+      "cache.\nExit codes: 0 ok, 1 verification failed, 2 bad usage or input, 3 device/runtime "
+      "error."};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", DSAKIT_VERSION);
+
+  RunOptions ro;
+  CLI::App* run = app.add_subcommand(
+      "run",
+      "Run one batch through the DSA layer: store the new tokens in the paged pool, plan "
+      "(dense MHA or sparse MLA), compute, print the plan's reason and per-stage times.\n"
+      "Examples:\n  dsakit run --verify\n  dsakit run --model glm-5 --tp 4 --kv bf16 "
+      "--prompts 3000 --chunk 1024 --verify\n  dsakit run --prompts 1900 --prefix 1850 "
+      "--decode-steps 4 --verify --save run.safetensors");
+  add_model_flags(run, ro.model, ro.tp);
+  run->add_option("--device", ro.device, "cpu | cuda | auto (cuda when a GPU is present)")
+      ->capture_default_str();
+  run->add_option("--threads", ro.threads, "CPU threads (0: all cores)");
+  run->add_option("--kv", ro.kv, "Pool layout: bf16 (1152 B/token), fp8 (656 B), fp8-raw (576 B)")
+      ->capture_default_str();
+  run->add_option("--scale-policy", ro.scale_policy, "fp8 pool scales: amax | pow2")
+      ->capture_default_str();
+  run->add_option("--k-scale", ro.k_scale, "fp8-raw pool scale")->capture_default_str();
+  run->add_option("--page-size", ro.page_size, "Tokens per page")->capture_default_str();
+  CLI::Option* prompts =
+      run->add_option("--prompts", ro.prompts, "Prompt length per request (prefix included)")
+          ->capture_default_str();
+  CLI::Option* prefix = run->add_option(
+      "--prefix", ro.prefix,
+      "Cached prefix per request: stored by an earlier call, re-read from the pool (prefix hit)");
+  run->add_option("--chunk", ro.chunk, "Chunked prefill: tokens per request per call (0: one call)")
+      ->capture_default_str();
+  CLI::Option* decode = run->add_option("--decode-steps", ro.decode_steps,
+                                        "Decode steps after the prefill (always sparse MLA)")
+                            ->capture_default_str();
+  run->add_option("--dispatch", ro.dispatch, "rule | cost | dense | sparse")->capture_default_str();
+  run->add_option("--threshold", ro.threshold,
+                  "Dense MHA when max prefix+extend <= this (default: index_topk)");
+  run->add_flag("--allow-approx", ro.allow_approx,
+                "Allow dense MHA above index_topk (an approximation of the model)");
+  run->add_option("--sm-scale", ro.sm_scale, "Softmax scale (default: from the config)");
+  run->add_option("--seed", ro.seed, "Seed of the random inputs")->capture_default_str();
+  run->add_flag("--verify", ro.verify,
+                "Check sampled tokens against the float64 reference (exit 1 on failure)");
+  run->add_option("--verify-tokens", ro.verify_tokens, "Tokens per request checked by --verify")
+      ->capture_default_str();
+  run->add_option("--verify-tol", ro.verify_tol,
+                  "rel-L2 bound on o for --verify (default: 1e-2 bf16 pool, 3e-2 fp8 pools)");
+  run->add_option("--inputs", ro.inputs,
+                  "Read the inputs (and lengths) from a safetensors file written by --save");
+  run->add_option("--save", ro.save, "Write inputs, outputs and pool rows to a safetensors file");
+  run->add_flag("--json", ro.json, "Print a JSON report instead of the table");
+  run->add_flag("--quiet", ro.quiet, "Print nothing but errors");
+  run->add_option("--max-workspace-mb", ro.max_workspace_mb,
+                  "Refuse a layer call whose workspace estimate exceeds this many MiB (0: no "
+                  "limit); exit 3 before the call computes anything");
+
+  PlanOptions po;
+  CLI::App* plan = app.add_subcommand(
+      "plan",
+      "Print the dispatcher's decision and its reason for a described batch (runs nothing)");
+  add_model_flags(plan, po.model, po.tp);
+  plan->add_option("--device", po.device, "cpu | cuda")->capture_default_str();
+  plan->add_option("--arch", po.arch, "CUDA compute capability as sm number (90, 100)")
+      ->capture_default_str();
+  plan->add_option("--kv", po.kv, "Pool layout: bf16, fp8, fp8-raw")->capture_default_str();
+  plan->add_option("--prompts", po.prompts, "Length per request (prefix included)")
+      ->capture_default_str();
+  plan->add_option("--prefix", po.prefix, "Cached prefix per request");
+  plan->add_option("--mode", po.mode, "extend | decode | target-verify | draft-extend")
+      ->capture_default_str();
+  plan->add_flag("--speculative", po.speculative, "Extend with speculative decoding");
+  plan->add_flag("--cuda-graph", po.cuda_graph, "Capturing or replaying a CUDA graph");
+  plan->add_flag("--context-parallel", po.context_parallel, "Prefill context parallelism on");
+  plan->add_flag("--hisparse", po.hisparse, "A host-offloaded sparse KV cache is attached");
+  plan->add_option("--dispatch", po.dispatch, "rule | cost | dense | sparse")
+      ->capture_default_str();
+  plan->add_option("--threshold", po.threshold, "Dense threshold (default: index_topk)");
+  plan->add_flag("--allow-approx", po.allow_approx, "Allow a threshold above index_topk");
+  plan->add_option("--chunk-capacity", po.chunk_capacity, "Max total tokens for dense")
+      ->capture_default_str();
+  plan->add_flag("--json", po.json, "Print JSON");
+
+  CLI::App* info = app.add_subcommand("info", "Print the build (backends, kernels) and devices");
+
+  const std::string first = argc > 1 ? argv[1] : "";
+  if (!first.empty() && first[0] != '-' && first != "run" && first != "plan" && first != "info") {
+    std::fprintf(stderr,
+                 "dsakit: error: unknown subcommand '%s' (expected run, plan or info; see "
+                 "dsakit --help)\n",
+                 argv[1]);
+    return kExitUsage;
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "dsakit: error: %s (see dsakit --help)\n", e.what());
+    return kExitUsage;
+  }
+  try {
+    if (*run) {
+      if (!ro.inputs.empty() && (prompts->count() || prefix->count() || decode->count())) {
+        std::fprintf(stderr,
+                     "dsakit: error: --inputs takes the lengths from the file; do not also pass "
+                     "--prompts, --prefix or --decode-steps\n");
+        return kExitUsage;
+      }
+      return run_command(ro);
+    }
+    if (*plan) return plan_command(po);
+    if (*info) return info_command();
+  } catch (const dsakit::Error& e) {
+    std::fprintf(stderr, "dsakit: error: %s\n", e.what());
+    const auto k = e.kind();
+    return (k == dsakit::ErrorKind::kBackend || k == dsakit::ErrorKind::kInternal ||
+            k == dsakit::ErrorKind::kResource)
+               ? kExitRuntime
+               : kExitUsage;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dsakit: error: %s\n", e.what());
+    return kExitRuntime;
+  }
+  return 0;
+}
+
+}  // namespace dsakit::cli
