@@ -120,7 +120,6 @@ void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end
                    " is smaller than the longest context ", max_ctx);
 }
 
-
 int64_t indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
                      int k, const TensorView& out, Device dev, const int32_t* host_kv_locs,
                      const int32_t* host_kv_start, const int32_t* host_ctx_len) {

@@ -14,7 +14,9 @@
 namespace dsakit {
 namespace {
 
-const int32_t* host_i32(const TensorView& t) { return t.ptr<const int32_t>(); }
+const int32_t* host_i32(const TensorView& t) {
+  return t.ptr<const int32_t>();
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -37,10 +39,11 @@ class CpuBackend final : public Backend {
   void copy(const TensorView& dst, const TensorView& src) override {
     DSAKIT_CHECK_ARG(dst.device == Device::kCpu && src.device == Device::kCpu,
                      "cpu backend copy: both tensors must be host tensors");
-    DSAKIT_CHECK_ARG(dst.dtype == src.dtype && dst.numel() == src.numel(),
-                     "copy: dst ", to_string(dst.dtype), dst.shape_str(), " vs src ",
-                     to_string(src.dtype), src.shape_str());
-    DSAKIT_CHECK_ARG(dst.is_contiguous() && src.is_contiguous(), "copy: tensors must be contiguous");
+    DSAKIT_CHECK_ARG(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy: dst ",
+                     to_string(dst.dtype), dst.shape_str(), " vs src ", to_string(src.dtype),
+                     src.shape_str());
+    DSAKIT_CHECK_ARG(dst.is_contiguous() && src.is_contiguous(),
+                     "copy: tensors must be contiguous");
     if (dst.nbytes()) std::memmove(dst.data, src.data, dst.nbytes());
   }
 
@@ -61,8 +64,12 @@ class CpuBackend final : public Backend {
       case DType::kF64:
         std::fill_n(dst.ptr<double>(), n, std::numeric_limits<double>::quiet_NaN());
         break;
-      case DType::kBF16: std::fill_n(dst.ptr<bf16_t>(), n, bf16_t{0x7FC0}); break;
-      default: fill_bytes(dst, 0xFF); break;
+      case DType::kBF16:
+        std::fill_n(dst.ptr<bf16_t>(), n, bf16_t{0x7FC0});
+        break;
+      default:
+        fill_bytes(dst, 0xFF);
+        break;
     }
   }
 

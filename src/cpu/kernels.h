@@ -31,8 +31,8 @@ void topk(const CpuContext& ctx, const TensorView& logits, const TensorView& ctx
           const TensorView& out);
 
 // gemm/projections.cc
-void absorb_q(const CpuContext& ctx, const TensorView& q_nope, const TensorView& kv_b_proj,
-              int d_v, const TensorView& q_abs);
+void absorb_q(const CpuContext& ctx, const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
+              const TensorView& q_abs);
 void up_proj_v(const CpuContext& ctx, const TensorView& o_lat, const TensorView& kv_b_proj,
                int d_nope, const TensorView& o);
 void up_proj_kv(const CpuContext& ctx, const TensorView& c_kv, const TensorView& kv_b_proj,

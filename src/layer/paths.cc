@@ -5,8 +5,8 @@ namespace dsakit::detail {
 namespace {
 
 Tensor i32_on_device(Backend& be, const std::vector<int32_t>& v) {
-  return be.to_device(make_view(const_cast<int32_t*>(v.data()), DType::kI32, Device::kCpu,
-                                {int64_t(v.size())}));
+  return be.to_device(
+      make_view(const_cast<int32_t*>(v.data()), DType::kI32, Device::kCpu, {int64_t(v.size())}));
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ using Vec = std::vector<double>;
 Vec to_vec(const TensorView& host);
 
 // ---- number formats (an independent implementation: search over the code table) --------
-double e4m3_value(uint8_t code);          // NaN for 0x7F / 0xFF
+double e4m3_value(uint8_t code);  // NaN for 0x7F / 0xFF
 // Nearest e4m3fn code to x (ties to the even code), saturating to ±448; NaN -> 0x7F|sign.
 uint8_t e4m3_encode(double x);
 // Nearest bf16 to x (ties to even), as a double.
@@ -61,8 +61,8 @@ void up_proj_kv(const Vec& c_kv, const Vec& w, int64_t N, int H, int d_nope, int
 
 // ---- attention --------------------------------------------------------------------------
 struct Attention {
-  Vec o;    // [T, H, d_v]
-  Vec lse;  // [T, H] natural log; +inf for a query with no valid key (o = 0 there)
+  Vec o;          // [T, H, d_v]
+  Vec lse;        // [T, H] natural log; +inf for a query with no valid key (o = 0 there)
   Vec max_logit;  // [T, H] max of sm_scale·q·k over valid keys; -inf if none
 };
 // FlashMLA's sparse attention: q [T, H, d_qk], kv [N, d_qk] (keys = all d_qk values,
