@@ -71,6 +71,17 @@ void IndexKeyPoolDesc::validate() const {
 PagedKvPool::PagedKvPool(const KvPoolDesc& desc, Tensor storage)
     : desc_(desc), storage_(std::move(storage)) {
   desc_.validate();
+  // Rows of another layout's width: the classic "576 != 656" mix-up, named as such.
+  const TensorView& st = storage_.view();
+  if (st.ndim == 2 && st.shape[1] != desc_.bytes_per_token()) {
+    for (KvLayout other : {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw}) {
+      const KvRowLayout row{other, desc_.d_c, desc_.d_rope};
+      DSAKIT_CHECK(st.shape[1] != row.bytes_per_token(), kLayoutMismatch,
+                   "kv pool storage: rows of ", st.shape[1], " B are the ", to_string(other),
+                   " layout, but the pool is declared ", to_string(desc_.layout), " (",
+                   desc_.bytes_per_token(), " B/token)");
+    }
+  }
   check_tensor(storage_.view(), "kv pool storage", DType::kU8, storage_.device(),
                {desc_.num_locations(), desc_.bytes_per_token()});
 }

@@ -575,8 +575,8 @@ TEST(KvPool, LayoutsAreTyped) {
     // 576-byte rows handed to a pool typed as the 656-byte layout: rejected at construction.
     KvPoolDesc fp8 = pool_desc(kLayoutCases[1], 64, 64);
     Tensor rows576 = be.empty(DType::kU8, {fp8.num_locations(), 576});
-    expect_error([&] { PagedKvPool typed(fp8, rows576); }, ErrorKind::kInvalidArgument,
-                 {"kv pool storage", "656", "576"});
+    expect_error([&] { PagedKvPool typed(fp8, rows576); }, ErrorKind::kLayoutMismatch,
+                 {"kv pool storage", "fp8-raw", "656", "576", "declared fp8"});
   });
 }
 
