@@ -99,7 +99,9 @@ fi
 
 if [ "${result[build]}" = PASS ] && want bench; then
   note "benchmarks"
-  if timeout 300 build-dev/bench/dsakit_bench_cuda --json "$out/bench_cuda.json" \
+  # DSAKIT_BENCH_ARGS (e.g. --quick) and DSAKIT_INDEXER_KERNEL (scalar|tc) pass through.
+  # shellcheck disable=SC2086
+  if timeout 300 build-dev/bench/dsakit_bench_cuda ${DSAKIT_BENCH_ARGS:-} --json "$out/bench_cuda.json" \
        >"$out/bench_cuda.txt" 2>"$out/bench_cuda.err"; then result[bench]=PASS
   else result[bench]=FAIL; tail -5 "$out/bench_cuda.err"; fi
   if timeout 180 python3 bench/peer_sdpa.py "$out/peer_sdpa.json" >"$out/peer_sdpa.txt" \

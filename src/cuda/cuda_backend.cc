@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "dsakit/error.h"
 #include "src/core/validate.h"
@@ -43,6 +44,16 @@ int64_t indexer_chunk_bytes(const CudaBackendOptions& options) {
   const long long v = std::strtoll(s, &end, 10);
   DSAKIT_CHECK_ARG(*end == 0 && v > 0, kEnv, ": expected a positive byte count, got '", s, "'");
   return int64_t(v);
+}
+
+// The logits kernel to run: DSAKIT_INDEXER_KERNEL (scalar | tc) overrides the option.
+IndexerKernel indexer_kernel(const CudaBackendOptions& options) {
+  constexpr const char* kEnv = "DSAKIT_INDEXER_KERNEL";
+  const char* s = std::getenv(kEnv);
+  if (s == nullptr || *s == 0) return options.indexer_kernel;
+  const std::string v = s;
+  DSAKIT_CHECK_ARG(v == "scalar" || v == "tc", kEnv, ": expected 'scalar' or 'tc', got '", v, "'");
+  return v == "tc" ? IndexerKernel::kTensorCore : IndexerKernel::kScalar;
 }
 
 }  // namespace
@@ -88,7 +99,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   DSAKIT_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
   // No TF32, and split-K partial sums reduced in fp32, never in the bf16 output type.
   DSAKIT_CUBLAS_CHECK(cublasSetMathMode(
-      cublas_, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+      cublas_,
+      cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   // A fixed cuBLAS workspace: cuBLAS then never allocates inside an op (graph capture).
   DSAKIT_CUDA_CHECK(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
   DSAKIT_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
@@ -270,13 +282,23 @@ IndexerLogitsParams logits_params(const IndexerArgs& a) {
   return p;
 }
 
-void check_logits_smem(int h_i, int d_i, int device) {
+// The kernel that runs for H_i heads of d_i codes: the requested one if it can, else the scalar
+// kernel, which must fit the device's shared memory.
+IndexerKernel choose_logits_kernel(IndexerKernel requested, int h_i, int d_i, int device) {
   int optin = 0;
   DSAKIT_CUDA_CHECK(
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (requested == IndexerKernel::kTensorCore && indexer_logits_tc_supported(h_i, d_i, optin))
+    return IndexerKernel::kTensorCore;
   const size_t need = indexer_logits_smem_bytes(h_i, d_i);
   DSAKIT_CHECK(need <= size_t(optin), kUnsupported, "indexer logits: H_i = ", h_i, ", d_i = ", d_i,
                " needs ", need, " B of shared memory per block, the device allows ", optin);
+  return IndexerKernel::kScalar;
+}
+
+cudaError_t launch_logits(IndexerKernel kernel, const IndexerLogitsParams& p, cudaStream_t stream) {
+  return kernel == IndexerKernel::kTensorCore ? launch_indexer_logits_tc(p, stream)
+                                              : launch_indexer_logits(p, stream);
 }
 
 }  // namespace
@@ -304,13 +326,14 @@ void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_
     for (int64_t t = std::max<int64_t>(row_begin, 0); t < row_end && t < a.ctx_len.numel(); ++t)
       rows_max_ctx = std::max<int64_t>(rows_max_ctx, ctx_len[t]);
   validate::indexer_logits_out(a, row_begin, row_end, logits, rows_max_ctx, Device::kCuda);
-  check_logits_smem(int(a.q8.shape[1]), a.keys->desc().d_i, device_);
+  const IndexerKernel kernel = choose_logits_kernel(indexer_kernel(options_), int(a.q8.shape[1]),
+                                                    a.keys->desc().d_i, device_);
   IndexerLogitsParams p = logits_params(a);
   p.logits = logits.ptr<float>();
   p.row_begin = row_begin;
   p.row_end = row_end;
   p.width = logits.shape[1];
-  DSAKIT_CUDA_CHECK(launch_indexer_logits(p, stream_));
+  DSAKIT_CUDA_CHECK(launch_logits(kernel, p, stream_));
 }
 
 void CudaBackend::topk(const TensorView& logits, const TensorView& ctx_len, int k,
@@ -333,7 +356,8 @@ void CudaBackend::indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
   validate::indexer_topk(idx_q, idx_w, layout, k, out, Device::kCuda, kv_locs.get(), kv_start.get(),
                          ctx_len.get());
   const int64_t tokens = idx_q.shape[0], h_i = idx_q.shape[1], d_i = idx_q.shape[2];
-  check_logits_smem(int(h_i), int(d_i), device_);
+  const IndexerKernel kernel =
+      choose_logits_kernel(indexer_kernel(options_), int(h_i), int(d_i), device_);
   if (tokens == 0) return;
 
   // The plan depends on shapes only (never on ctx_len values), so an eager run and a captured
@@ -378,7 +402,7 @@ void CudaBackend::indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
     lp.width = width;
     lp.skip_ctx_at_most = k;  // identity shortcut: top-k writes 0 … ctx-1 without logits
     lp.fill_masked = false;   // top-k reads only [0, ctx_len)
-    DSAKIT_CUDA_CHECK(launch_indexer_logits(lp, stream_));
+    DSAKIT_CUDA_CHECK(launch_logits(kernel, lp, stream_));
     const TopkParams tp{logits, lp.ctx_len, out.ptr<int32_t>() + r0 * k, rows, width, k};
     DSAKIT_CUDA_CHECK(launch_topk(tp, stream_));
   }

@@ -16,6 +16,13 @@
 
 namespace dsakit::cuda {
 
+// Which kernel computes the indexer logits (indexer_logits and inside indexer_topk).
+enum class IndexerKernel {
+  kScalar,      // fp32 CUDA cores on dequantized codes (indexer/logits.cu): the exact cross-check
+  kTensorCore,  // mma.sync e4m3 on the raw codes (indexer/logits_tc.cu); where it cannot run
+                // (d_i != 128, or too little shared memory) the scalar kernel runs instead
+};
+
 struct CudaBackendOptions {
   // Copy device index tensors (locations, kv_start, ctx_len) to the host and check their values
   // before any kernel writes, so a rejected call leaves pools untouched. This is a host sync.
@@ -27,6 +34,9 @@ struct CudaBackendOptions {
   // batch runs in several chunks. 256 MiB: a 64K-token prompt uses ~1K-row chunks.
   // The environment variable DSAKIT_INDEXER_WORKSPACE_BYTES overrides it (as on the CPU).
   size_t indexer_chunk_bytes = size_t(256) << 20;
+  // Tensor cores by default: on the H200 they match the scalar kernel to rel-L2 1.2e-7 with no
+  // top-k change, 9.4x faster (docs/perf.md). DSAKIT_INDEXER_KERNEL (scalar | tc) overrides it.
+  IndexerKernel indexer_kernel = IndexerKernel::kTensorCore;
 };
 
 class CudaBackend final : public Backend {

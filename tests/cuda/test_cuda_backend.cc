@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -39,6 +41,11 @@ Tensor host_i32(const std::vector<int32_t>& v, std::vector<int64_t> shape = {}) 
 
 std::vector<int32_t> i32_values(const Tensor& host) {
   return std::vector<int32_t>(host.ptr<const int32_t>(), host.ptr<const int32_t>() + host.numel());
+}
+
+std::vector<int64_t> shape_of(const Tensor& t) {
+  const TensorView v = t.view();
+  return std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim);
 }
 
 bool same_bytes(const Tensor& a, const Tensor& b) {
@@ -387,6 +394,186 @@ TEST_F(CudaBackendTest, IndexerTopkEqualsTopkOfItsLogitsInEveryChunking) {
   EXPECT_LE(testing::rel_l2(got_finite, ref_finite), testing::kTolF32);
 }
 
+// Two requests in one batch (prefix 150 + 13 new tokens, then 20 new tokens with no prefix),
+// so CTA row groups straddle a kv_start change, contexts are ragged and a few tokens fall under
+// the identity shortcut. The same keys are stored in a GPU and a CPU index-key pool.
+struct BatchIndexer {
+  IndexKeyPool gpu_pool, cpu_pool;
+  Tensor q8, gate;                    // host, from the CPU quantizer
+  Tensor kv_locs, kv_start, ctx_len;  // host
+  Tensor d_q8, d_gate, d_kv_locs, d_kv_start, d_ctx_len;
+  int64_t tokens = 0, width = 0;
+  int h_i = 0;
+
+  IndexerArgs args(bool on_gpu) const {
+    IndexerArgs a;
+    a.keys = on_gpu ? &gpu_pool : &cpu_pool;
+    a.q8 = (on_gpu ? d_q8 : q8).view();
+    a.gate = (on_gpu ? d_gate : gate).view();
+    a.kv_locs = (on_gpu ? d_kv_locs : kv_locs).view();
+    a.kv_start = (on_gpu ? d_kv_start : kv_start).view();
+    a.ctx_len = (on_gpu ? d_ctx_len : ctx_len).view();
+    return a;
+  }
+};
+
+BatchIndexer make_batch_indexer(Backend& gpu, Backend& cpu, Rng& rng, int h_i, int page_size) {
+  constexpr int kDim = 128;
+  const std::vector<std::pair<int, int>> requests = {{150, 13}, {0, 20}};  // (prefix, extend)
+  BatchIndexer b;
+  b.h_i = h_i;
+  std::vector<int32_t> start, ctx;
+  int64_t n_kv = 0;
+  for (const auto& [prefix, extend] : requests) {
+    for (int i = 0; i < extend; ++i) {
+      start.push_back(int32_t(n_kv));
+      ctx.push_back(prefix + i + 1);
+    }
+    n_kv += prefix + extend;
+  }
+  b.tokens = int64_t(ctx.size());
+  b.width = n_kv;  // wider than every context: the -inf fill is exercised
+  const IndexKeyPoolDesc desc{page_size, 256 / page_size, kDim};
+  const std::vector<int32_t> locs = distinct_locations(rng, n_kv, desc.num_locations());
+  const Tensor keys = tiled_bf16(rng, n_kv, kDim);
+  b.gpu_pool = gpu.make_index_pool(desc);
+  b.cpu_pool = cpu.make_index_pool(desc);
+  gpu.store_index_keys(b.gpu_pool, gpu.to_device(host_i32(locs)), gpu.to_device(keys));
+  cpu.store_index_keys(b.cpu_pool, host_i32(locs), keys);
+
+  const Tensor idx_q = testing::random_tensor(rng, DType::kBF16, {b.tokens, h_i, kDim});
+  const Tensor idx_w = testing::random_tensor(rng, DType::kF32, {b.tokens, h_i});
+  b.q8 = Tensor::host(DType::kU8, {b.tokens, h_i, kDim});
+  b.gate = Tensor::host(DType::kF32, {b.tokens, h_i});
+  cpu.indexer_quantize_q(idx_q, idx_w, b.q8, b.gate);
+  b.kv_locs = host_i32(locs);
+  b.kv_start = host_i32(start);
+  b.ctx_len = host_i32(ctx);
+  b.d_q8 = gpu.to_device(b.q8);
+  b.d_gate = gpu.to_device(b.gate);
+  b.d_kv_locs = gpu.to_device(b.kv_locs);
+  b.d_kv_start = gpu.to_device(b.kv_start);
+  b.d_ctx_len = gpu.to_device(b.ctx_len);
+  return b;
+}
+
+// rel-L2 over the finite entries of `ref`; every infinite entry of `ref` must be equal in `got`.
+double finite_rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
+  std::vector<double> got_finite, ref_finite;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isinf(ref[i])) {
+      EXPECT_EQ(got[i], ref[i]) << "masked entry " << i;
+      continue;
+    }
+    EXPECT_FALSE(std::isinf(got[i])) << "entry " << i << " masked, expected " << ref[i];
+    got_finite.push_back(got[i]);
+    ref_finite.push_back(ref[i]);
+  }
+  EXPECT_FALSE(ref_finite.empty());
+  return testing::rel_l2(got_finite, ref_finite);
+}
+
+// Largest allowed relative difference between tensor-core and scalar (or CPU) logits: fp32
+// results of the same FP8 codes that differ only in summation order. Also the tie window of
+// the top-k comparison.
+constexpr double kTolTensorCoreLogits = 1e-5;
+
+TEST_F(CudaBackendTest, TensorCoreLogitsMatchScalarKernelAndCpu) {
+  SCOPED_TRACE(trace());
+  for (int h_i : {64, 32}) {
+    for (int page_size : {1, 64}) {
+      SCOPED_TRACE("H_i " + std::to_string(h_i) + " page " + std::to_string(page_size));
+      const BatchIndexer b = make_batch_indexer(*gpu_, *cpu_, rng(), h_i, page_size);
+      auto gpu_logits = [&](cuda::IndexerKernel kernel, int64_t row_begin, int64_t row_end) {
+        cuda().options().indexer_kernel = kernel;
+        const Tensor out = poisoned(DType::kF32, {row_end - row_begin, b.width});
+        gpu_->indexer_logits(b.args(true), row_begin, row_end, out);
+        return testing::to_double(gpu_->to_host(out));
+      };
+      Tensor cpu_out = Tensor::host(DType::kF32, {b.tokens, b.width});
+      cpu_->indexer_logits(b.args(false), 0, b.tokens, cpu_out);
+      const std::vector<double> cpu = testing::to_double(cpu_out);
+      const std::vector<double> scalar = gpu_logits(cuda::IndexerKernel::kScalar, 0, b.tokens);
+      const std::vector<double> tc = gpu_logits(cuda::IndexerKernel::kTensorCore, 0, b.tokens);
+
+      const double vs_scalar = finite_rel_l2(tc, scalar), vs_cpu = finite_rel_l2(tc, cpu);
+      RecordProperty(
+          "tc_vs_scalar_rel_l2_h" + std::to_string(h_i) + "_p" + std::to_string(page_size),
+          std::to_string(vs_scalar));
+      std::printf("tensor-core logits H_i %d page %d: rel-L2 %.3g vs scalar, %.3g vs cpu\n", h_i,
+                  page_size, vs_scalar, vs_cpu);
+      EXPECT_LE(vs_scalar, kTolTensorCoreLogits);
+      EXPECT_LE(vs_cpu, kTolTensorCoreLogits);
+      EXPECT_LE(finite_rel_l2(scalar, cpu), testing::kTolF32);
+      EXPECT_EQ(tc, gpu_logits(cuda::IndexerKernel::kTensorCore, 0, b.tokens)) << "determinism";
+
+      // A row range starting mid-batch (row_begin not a multiple of the CTA's row group).
+      const int64_t r0 = 5, r1 = b.tokens - 3;
+      const std::vector<double> part = gpu_logits(cuda::IndexerKernel::kTensorCore, r0, r1);
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), tc.begin() + r0 * b.width))
+          << "rows [" << r0 << ", " << r1 << ")";
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, TensorCoreTopkDiffersFromCpuOnlyAtNearTies) {
+  SCOPED_TRACE(trace());
+  const int k = 32;
+  for (int h_i : {64, 32}) {
+    SCOPED_TRACE("H_i " + std::to_string(h_i));
+    const BatchIndexer b = make_batch_indexer(*gpu_, *cpu_, rng(), h_i, 64);
+    // indexer_topk quantizes idx_q itself; feed both backends the same bf16 queries.
+    const Tensor idx_q = testing::random_tensor(rng(), DType::kBF16, {b.tokens, h_i, 128});
+    const Tensor idx_w = testing::random_tensor(rng(), DType::kF32, {b.tokens, h_i});
+    cuda().options().indexer_kernel = cuda::IndexerKernel::kTensorCore;
+    const Tensor out = poisoned(DType::kI32, {b.tokens, k});
+    gpu_->indexer_topk(gpu_->to_device(idx_q), gpu_->to_device(idx_w), b.args(true), k, out);
+    const std::vector<int32_t> got = i32_values(gpu_->to_host(out));
+    Tensor want_t = Tensor::host(DType::kI32, {b.tokens, k});
+    cpu_->indexer_topk(idx_q, idx_w, b.args(false), k, want_t);
+    const std::vector<int32_t> want = i32_values(want_t);
+
+    // The CPU's logits of the same queries, for the tie window.
+    IndexerArgs a = b.args(false);
+    Tensor q8 = Tensor::host(DType::kU8, {b.tokens, h_i, 128});
+    Tensor gate = Tensor::host(DType::kF32, {b.tokens, h_i});
+    cpu_->indexer_quantize_q(idx_q, idx_w, q8, gate);
+    a.q8 = q8.view();
+    a.gate = gate.view();
+    Tensor logits = Tensor::host(DType::kF32, {b.tokens, b.width});
+    cpu_->indexer_logits(a, 0, b.tokens, logits);
+
+    int rows_over_k = 0, differing = 0;
+    for (int64_t t = 0; t < b.tokens; ++t) {
+      const int32_t ctx = b.ctx_len.ptr<const int32_t>()[t];
+      const float* row = logits.ptr<const float>() + t * b.width;
+      std::vector<int32_t> g(got.begin() + t * k, got.begin() + (t + 1) * k),
+          w(want.begin() + t * k, want.begin() + (t + 1) * k);
+      if (ctx <= k) {  // identity shortcut: exact
+        EXPECT_EQ(g, w) << "row " << t;
+        continue;
+      }
+      ++rows_over_k;
+      std::vector<float> sorted(row, row + ctx);
+      std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(), std::greater<>());
+      const double kth = sorted[size_t(k - 1)];
+      std::vector<int32_t> diff;
+      std::set_symmetric_difference(g.begin(), g.end(), w.begin(), w.end(),
+                                    std::back_inserter(diff));
+      for (int32_t pos : diff) {
+        ASSERT_GE(pos, 0) << "row " << t;
+        ASSERT_LT(pos, ctx) << "row " << t;
+        EXPECT_LE(std::abs(double(row[pos]) - kth), kTolTensorCoreLogits * std::abs(kth))
+            << "row " << t << " position " << pos << ": logit " << row[pos] << ", k-th " << kth;
+      }
+      differing += int(diff.size()) / 2;
+    }
+    EXPECT_GT(rows_over_k, 0);
+    std::printf("tensor-core top-k H_i %d: %d of %d rows past k, %d swapped near-ties\n", h_i,
+                rows_over_k, int(b.tokens), differing);
+  }
+}
+
 TEST_F(CudaBackendTest, PositionsToLocationsMatchesCpu) {
   SCOPED_TRACE(trace());
   const int64_t t = 6, k = 8, n_kv = 50;
@@ -497,12 +684,14 @@ TEST_F(CudaBackendTest, MergePartialsMatchesFloat64) {
 
 // ---- streams, workspace, graphs -------------------------------------------------------------
 
-// One sparse-path forward's CUDA-backend ops on fixed device buffers: pool store, index-key
-// store, indexer top-k and q absorption.
+// One sparse-path forward on fixed device buffers, every op of the CUDA backend's sparse path:
+// KV and index-key stores of the new tokens, indexer top-k, positions -> pool locations,
+// q absorption, sparse MLA over the selected locations and the V up-projection.
 struct ForwardBuffers {
   PagedKvPool kv;
   IndexerScene indexer;
-  Tensor locs, c_kv, k_pe, idx_k, idx_q, idx_w, topk_out, q_nope, w, q_abs;
+  Tensor locs, c_kv, k_pe, idx_k, idx_q, idx_w, topk_out, topk_locs, q_nope, q_pe, w, q_abs, o_lat,
+      lse, o;
   int k = 32;
 
   void run(Backend& be) const {
@@ -511,45 +700,80 @@ struct ForwardBuffers {
     be.store_kv(pool, locs, c_kv, k_pe);
     be.store_index_keys(keys, locs, idx_k);
     be.indexer_topk(idx_q, idx_w, indexer.layout(), k, topk_out);
+    be.positions_to_locations(topk_out, indexer.kv_locs, indexer.kv_start, indexer.ctx_len,
+                              topk_locs);
     be.absorb_q(q_nope, w, 128, q_abs);
+    SparseMlaArgs a;
+    a.q_abs = q_abs.view();
+    a.q_pe = q_pe.view();
+    a.kv = &kv;
+    a.indices = topk_locs.view();
+    a.sm_scale = 1.0 / std::sqrt(double(128 + 64));
+    a.o_lat = o_lat.view();
+    a.lse = lse.view();
+    be.sparse_mla(a);
+    be.up_proj_v(o_lat, w, 128, o);
   }
 };
 
+// The KV pool holds every context token (the prefix stored once, eagerly); each forward stores
+// the new tokens at the locations the indexer's kv_locs give them.
 ForwardBuffers make_forward(Backend& be, Rng& rng) {
   ForwardBuffers f;
   const int extend = 24, prefix = 100, h = 4;
   f.indexer = make_indexer_scene(be, rng, prefix, extend, 32);
   KvPoolDesc desc;
   desc.layout = KvLayout::kFp8Scaled;
-  desc.num_pages = 4;
+  desc.num_pages = f.indexer.pool.desc().num_pages * f.indexer.pool.desc().page_size /
+                   desc.page_size;  // the index pool's locations
   f.kv = be.make_kv_pool(desc);
-  f.locs = be.to_device(host_i32(distinct_locations(rng, extend, desc.num_locations())));
+  const std::vector<int32_t> all_locs = i32_values(be.to_host(f.indexer.kv_locs));
+  be.store_kv(f.kv, f.indexer.kv_locs, be.to_device(tiled_bf16(rng, prefix + extend, desc.d_c)),
+              be.to_device(testing::random_tensor(rng, DType::kBF16, {prefix + extend, 64})));
+  f.locs = be.to_device(host_i32(std::vector<int32_t>(all_locs.end() - extend, all_locs.end())));
   f.c_kv = be.to_device(tiled_bf16(rng, extend, desc.d_c));
   f.k_pe = be.to_device(testing::random_tensor(rng, DType::kBF16, {extend, desc.d_rope}));
   f.idx_k = be.to_device(tiled_bf16(rng, extend, 128));
   f.idx_q = be.to_device(f.indexer.idx_q);
   f.idx_w = be.to_device(f.indexer.idx_w);
   f.topk_out = be.empty(DType::kI32, {extend, f.k});
+  f.topk_locs = be.empty(DType::kI32, {extend, f.k});
   f.q_nope = be.to_device(testing::random_tensor(rng, DType::kBF16, {extend, h, 128}));
+  f.q_pe = be.to_device(testing::random_tensor(rng, DType::kBF16, {extend, h, desc.d_rope}));
   f.w = be.to_device(testing::random_tensor(rng, DType::kBF16, {h * 256, 512}, 0.05f));
   f.q_abs = be.empty(DType::kBF16, {extend, h, 512});
+  f.o_lat = be.empty(DType::kBF16, {extend, h, 512});
+  f.lse = be.empty(DType::kF32, {extend, h});
+  f.o = be.empty(DType::kBF16, {extend, h, 128});
   return f;
 }
 
 struct ForwardResult {
-  Tensor kv, keys, topk, q_abs;
+  Tensor kv, keys, topk, topk_locs, q_abs, o_lat, lse, o;
 };
 
 ForwardResult read_back(Backend& be, const ForwardBuffers& f) {
-  return {be.to_host(f.kv.storage()), be.to_host(f.indexer.pool.storage()), be.to_host(f.topk_out),
-          be.to_host(f.q_abs)};
+  return {be.to_host(f.kv.storage()), be.to_host(f.indexer.pool.storage()),
+          be.to_host(f.topk_out),     be.to_host(f.topk_locs),
+          be.to_host(f.q_abs),        be.to_host(f.o_lat),
+          be.to_host(f.lse),          be.to_host(f.o)};
 }
 
 void expect_same(const ForwardResult& a, const ForwardResult& b) {
   EXPECT_TRUE(same_bytes(a.kv, b.kv)) << "kv pool";
   EXPECT_TRUE(same_bytes(a.keys, b.keys)) << "index-key pool";
   EXPECT_TRUE(same_bytes(a.topk, b.topk)) << "top-k";
+  EXPECT_TRUE(same_bytes(a.topk_locs, b.topk_locs)) << "top-k locations";
   EXPECT_TRUE(same_bytes(a.q_abs, b.q_abs)) << "q_abs";
+  EXPECT_TRUE(same_bytes(a.o_lat, b.o_lat)) << "o_lat";
+  EXPECT_TRUE(same_bytes(a.lse, b.lse)) << "lse";
+  EXPECT_TRUE(same_bytes(a.o, b.o)) << "o";
+}
+
+// Poisons every output a forward writes (the pools are inputs too and stay).
+void poison_outputs(Backend& be, const ForwardBuffers& f) {
+  for (const Tensor* t : {&f.topk_out, &f.topk_locs, &f.q_abs, &f.o_lat, &f.lse, &f.o})
+    be.poison(t->view());
 }
 
 TEST_F(CudaBackendTest, DeterministicAndNoAllocationWhenWarm) {
@@ -586,43 +810,59 @@ TEST_F(CudaBackendTest, RunsOnACallerStream) {
   ASSERT_CUDA(cudaStreamDestroy(stream));
 }
 
-TEST_F(CudaBackendTest, SparseForwardOpsCaptureIntoACudaGraph) {
+TEST_F(CudaBackendTest, SparseForwardCapturesIntoACudaGraph) {
   SCOPED_TRACE(trace());
-  ForwardBuffers f = make_forward(*gpu_, rng());
-  cudaStream_t stream = nullptr;
-  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda().set_stream(stream);
-  f.run(*gpu_);  // warm-up: workspace and cuBLAS settle
-  gpu_->synchronize();
-  const cuda::MemoryStats warm = cuda().memory_stats();
+  for (cuda::IndexerKernel kernel :
+       {cuda::IndexerKernel::kScalar, cuda::IndexerKernel::kTensorCore}) {
+    SCOPED_TRACE(kernel == cuda::IndexerKernel::kScalar ? "scalar logits" : "tensor-core logits");
+    cuda().options().indexer_kernel = kernel;
+    ForwardBuffers f = make_forward(*gpu_, rng());
+    cudaStream_t stream = nullptr;
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cuda().set_stream(stream);
+    f.run(*gpu_);  // warm-up: workspace and cuBLAS settle
+    gpu_->synchronize();
+    const cuda::MemoryStats warm = cuda().memory_stats();
 
-  cudaGraph_t graph = nullptr;
-  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  f.run(*gpu_);  // no host sync, no allocation: value checks are skipped while capturing
-  ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  EXPECT_EQ(cuda().memory_stats().device_mallocs, warm.device_mallocs);
+    cudaGraph_t graph = nullptr;
+    ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    f.run(*gpu_);  // no host sync, no allocation: value checks are skipped while capturing
+    ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    EXPECT_EQ(cuda().memory_stats().device_mallocs, warm.device_mallocs);
+    size_t nodes = 0;
+    ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
+    EXPECT_GE(nodes, size_t(7)) << "one or more kernels per op";
 
-  // New inputs in the same buffers, then replay; compare with an eager run on those inputs.
-  const Tensor new_c = tiled_bf16(rng(), f.c_kv.size(0), f.c_kv.size(1));
-  const Tensor new_q = testing::random_tensor(
-      rng(), DType::kBF16, {f.q_nope.size(0), f.q_nope.size(1), f.q_nope.size(2)});
-  gpu_->copy(f.c_kv, new_c);
-  gpu_->copy(f.q_nope, new_q);
-  gpu_->poison(f.q_abs.view());
-  gpu_->fill_bytes(f.topk_out.view(), 0x5A);
-  ASSERT_CUDA(cudaGraphLaunch(exec, stream));
-  ASSERT_CUDA(cudaStreamSynchronize(stream));
-  const ForwardResult replayed = read_back(*gpu_, f);
-  gpu_->poison(f.q_abs.view());
-  f.run(*gpu_);
-  expect_same(replayed, read_back(*gpu_, f));
+    // New inputs in the same buffers (every op's activations change), then replay; compare
+    // with an eager run on those inputs.
+    auto refill = [&](const Tensor& dst, const Tensor& host) { gpu_->copy(dst, host); };
+    refill(f.c_kv, tiled_bf16(rng(), f.c_kv.size(0), f.c_kv.size(1)));
+    refill(f.idx_k, tiled_bf16(rng(), f.idx_k.size(0), f.idx_k.size(1)));
+    refill(f.idx_q, testing::random_tensor(rng(), DType::kBF16, shape_of(f.indexer.idx_q)));
+    refill(f.q_nope, testing::random_tensor(rng(), DType::kBF16, shape_of(f.q_nope)));
+    refill(f.q_pe, testing::random_tensor(rng(), DType::kBF16, shape_of(f.q_pe)));
+    const ForwardResult before = read_back(*gpu_, f);
+    poison_outputs(*gpu_, f);
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+    ASSERT_CUDA(cudaStreamSynchronize(stream));
+    const ForwardResult replayed = read_back(*gpu_, f);
+    EXPECT_FALSE(same_bytes(replayed.kv, before.kv)) << "the replay stored the new tokens";
+    const std::vector<int32_t> locs = i32_values(replayed.topk_locs);
+    EXPECT_TRUE(std::all_of(locs.begin(), locs.end(), [](int32_t l) { return l >= -1; }));
+    const std::vector<double> o = testing::to_double(replayed.o);
+    EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](double v) { return std::isfinite(v); }));
 
-  ASSERT_CUDA(cudaGraphExecDestroy(exec));
-  ASSERT_CUDA(cudaGraphDestroy(graph));
-  cuda().set_stream(nullptr);
-  ASSERT_CUDA(cudaStreamDestroy(stream));
+    poison_outputs(*gpu_, f);
+    f.run(*gpu_);
+    expect_same(replayed, read_back(*gpu_, f));
+
+    ASSERT_CUDA(cudaGraphExecDestroy(exec));
+    ASSERT_CUDA(cudaGraphDestroy(graph));
+    cuda().set_stream(nullptr);
+    ASSERT_CUDA(cudaStreamDestroy(stream));
+  }
 }
 
 }  // namespace

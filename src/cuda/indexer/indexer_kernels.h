@@ -69,6 +69,10 @@ cudaError_t launch_indexer_quantize_q(const QuantizeQParams& p, cudaStream_t str
 // Dynamic shared memory the logits kernel needs for h_i heads of d_i values.
 size_t indexer_logits_smem_bytes(int h_i, int d_i);
 cudaError_t launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t stream);
+// The FP8 tensor-core logits kernel (logits_tc.cu): the same contract, d_i = 128 only.
+size_t indexer_logits_tc_smem_bytes(int h_i);
+bool indexer_logits_tc_supported(int h_i, int d_i, size_t smem_optin);
+cudaError_t launch_indexer_logits_tc(const IndexerLogitsParams& p, cudaStream_t stream);
 cudaError_t launch_topk(const TopkParams& p, cudaStream_t stream);
 cudaError_t launch_positions_to_locations(const PositionsToLocationsParams& p, cudaStream_t stream);
 
