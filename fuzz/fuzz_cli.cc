@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -55,9 +56,8 @@ const Scratch& scratch() {
     std::ofstream(x.config) << R"({"num_attention_heads": 4, "kv_lora_rank": 128,
       "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 2,
       "index_head_dim": 16, "index_topk": 8, "hidden_size": 64})";
-    require(call_cli({"run", "--device", "cpu", "--threads", "1", "--model", x.config, "--tp",
-                      "1", "--prompts", "9,4", "--prefix", "3,0", "--save", x.inputs,
-                      "--quiet"}) == 0);
+    require(call_cli({"run", "--device", "cpu", "--threads", "1", "--model", x.config, "--tp", "1",
+                      "--prompts", "9,4", "--prefix", "3,0", "--save", x.inputs, "--quiet"}) == 0);
     return x;
   }();
   return s;
@@ -86,7 +86,9 @@ double max_magnitude(const std::string& text, double* sum = nullptr, int* count 
   return largest;
 }
 
-bool is_preset(const std::string& model) { return model == "deepseek-v3.2" || model == "glm-5"; }
+bool is_preset(const std::string& model) {
+  return model == "deepseek-v3.2" || model == "glm-5";
+}
 
 // Rewrites file and model arguments in place; false when the `run` would be too large.
 bool make_local(std::vector<std::string>& args, bool is_run) {

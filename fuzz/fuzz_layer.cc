@@ -83,7 +83,7 @@ std::vector<std::vector<int32_t>> make_tables(FuzzedDataProvider& fdp, const Bat
                                               std::mt19937_64& gen) {
   std::vector<std::vector<int32_t>> tables(size_t(b.num_requests()));
   if (fdp.ConsumeBool()) {
-    std::vector<int32_t> free_pages(size_t(num_pages));
+    std::vector<int32_t> free_pages(static_cast<size_t>(num_pages));
     std::iota(free_pages.begin(), free_pages.end(), 0);
     std::shuffle(free_pages.begin(), free_pages.end(), gen);
     size_t next = 0;
@@ -148,13 +148,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // Every location holds a finite token first, so prefixes read back real values.
   const int64_t n_loc = kd.num_locations();
-  std::vector<int32_t> all_locs(size_t(n_loc));
+  std::vector<int32_t> all_locs(static_cast<size_t>(n_loc));
   std::iota(all_locs.begin(), all_locs.end(), 0);
   const TensorView locs_view = make_view(all_locs.data(), DType::kI32, Device::kCpu, {n_loc});
   be.store_kv(kv, locs_view, random_tensor(gen, DType::kBF16, {n_loc, cfg.kv_lora_rank}),
               random_tensor(gen, DType::kBF16, {n_loc, cfg.qk_rope_head_dim}));
-  be.store_index_keys(ix, locs_view,
-                      random_tensor(gen, DType::kBF16, {n_loc, cfg.index_head_dim}));
+  be.store_index_keys(ix, locs_view, random_tensor(gen, DType::kBF16, {n_loc, cfg.index_head_dim}));
 
   LayerOptions lo;
   lo.policy.mode = fdp.PickValueInArray(
@@ -213,7 +212,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   LayerInputs in{q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w};
   if (fdp.ConsumeIntegralInRange(0, 7) == 0) {
-    TensorView* views[] = {&in.q_nope, &in.q_pe, &in.c_kv, &in.k_pe,
+    TensorView* views[] = {&in.q_nope, &in.q_pe,  &in.c_kv, &in.k_pe,
                            &in.idx_q,  &in.idx_k, &in.idx_w};
     corrupt(fdp, *views[fdp.ConsumeIntegralInRange(0, 6)]);
   }
@@ -245,8 +244,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         require(std::isfinite(l) || l == std::numeric_limits<float>::infinity());
         for (int64_t d = 0; d < cfg.v_head_dim; ++d) {
           const int64_t e = (row * h + j) * cfg.v_head_dim + d;
-          const float x = o.dtype() == DType::kF32 ? o.ptr<float>()[e]
-                                                   : bf16_to_f32(o.ptr<bf16_t>()[e]);
+          const float x =
+              o.dtype() == DType::kF32 ? o.ptr<float>()[e] : bf16_to_f32(o.ptr<bf16_t>()[e]);
           require(std::isfinite(x));
         }
       }

@@ -63,3 +63,29 @@ write("config", {
     "not_object.json": "[1, 2, 3]",
     "truncated.json": json.dumps(minimal)[:40],
 })
+
+# fuzz_cli: one argument per line (fuzz/fuzz_cli.cc rewrites models and file names).
+write("cli", {f"seed_{i:02d}": "\n".join(args) for i, args in enumerate([
+    ["run", "--device", "cpu", "--prompts", "20,9", "--prefix", "5,0", "--verify"],
+    ["run", "--prompts", "30", "--chunk", "7", "--kv", "bf16", "--verify", "--json"],
+    ["run", "--prompts=12,12", "--decode-steps", "2", "--kv", "fp8-raw", "--page-size", "1"],
+    ["run", "--inputs", "x", "--verify", "--quiet"],
+    ["run", "--prompts", "16", "--dispatch", "sparse", "--save", "x", "--max-workspace-mb", "1"],
+    ["run", "--prompts", "24,3,5", "--dispatch", "dense", "--allow-approx", "--scale-policy",
+     "pow2", "--threads", "1", "--seed", "7", "--verify-tokens", "3", "--verify-tol", "0.5"],
+    ["run", "--prompts", "5", "--threshold", "-3", "--sm-scale", "0.1", "--k-scale", "2"],
+    ["run", "--prompts", "0", "--device", "cuda"],
+    ["plan", "--prompts", "1950", "--prefix", "1900", "--mode", "extend", "--json"],
+    ["plan", "--model", "glm-5", "--tp", "4", "--device", "cuda", "--arch", "100",
+     "--speculative", "--cuda-graph", "--hisparse", "--context-parallel"],
+    ["plan", "--prompts", "3000,10", "--dispatch", "cost", "--chunk-capacity", "100"],
+    ["info"],
+    ["--help"],
+    ["run", "--help"],
+    ["--version"],
+    ["bogus"],
+])})
+
+# fuzz_layer: FuzzedDataProvider bytes; any bytes are a valid input, these reach deeper faster.
+write("layer", {f"seed_{i:02d}": bytes((i * 37 + j * (11 + i)) % 256 for j in range(96 + 16 * i))
+                for i in range(8)})

@@ -100,7 +100,9 @@ int64_t max_rss_bytes() {
   return int64_t(ru.ru_maxrss) * 1024;  // Linux reports KiB
 }
 
-double mib(int64_t bytes) { return double(bytes) / double(1 << 20); }
+double mib(int64_t bytes) {
+  return double(bytes) / double(1 << 20);
+}
 
 struct VerifyResult {
   double o_rel = 0, lse_abs = 0, topk_agree = 1;
@@ -123,7 +125,8 @@ int run_command(const RunOptions& opt) {
   DSAKIT_CHECK_ARG(opt.verify_tol >= 0 && opt.verify_tol < 1, "--verify-tol: expected [0, 1), got ",
                    opt.verify_tol);
   DSAKIT_CHECK_ARG(opt.max_workspace_mb >= 0 && opt.max_workspace_mb <= (int64_t(1) << 40),
-                   "--max-workspace-mb: expected 0..2^40 (0: no limit), got ", opt.max_workspace_mb);
+                   "--max-workspace-mb: expected 0..2^40 (0: no limit), got ",
+                   opt.max_workspace_mb);
 
   // ---- lengths and inputs -----------------------------------------------------------------
   Lengths len;
@@ -244,8 +247,7 @@ int run_command(const RunOptions& opt) {
   }
 
   MemoryReport mem;
-  mem.pool_bytes =
-      int64_t(kv_pool.storage().nbytes()) + int64_t(index_pool.storage().nbytes());
+  mem.pool_bytes = int64_t(kv_pool.storage().nbytes()) + int64_t(index_pool.storage().nbytes());
   for (const auto& st : out.steps)
     mem.peak_workspace_bytes =
         std::max(mem.peak_workspace_bytes, layer.workspace_bytes(st.batch, st.plan.path));

@@ -84,7 +84,8 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
   const int64_t t = batch.num_new_tokens(), n = batch.total_kv_len(), h = c.num_heads;
   const int64_t mid = int64_t(dtype_size(backend_.capabilities().intermediate_dtype));
   // Outputs o, lse; index arrays new_locs [T], kv_locs [N].
-  int64_t bytes = t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h + 4 * (t + n);
+  int64_t bytes =
+      t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h + 4 * (t + n);
   if (path == AttentionPath::kDenseMha) {
     // c_kv, k_pe of every position; k_nope, v up-projected per head; cu_q, cu_kv.
     bytes += mid * n * (c.kv_lora_rank + c.qk_rope_head_dim) +
