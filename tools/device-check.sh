@@ -7,7 +7,7 @@
 #      {fresh, chunked, prefix-hit, decode},
 #   5. the CUDA benchmark and the PyTorch SDPA peer,
 # then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files must be
-# carried in .peers/ (a copy of ../shared/testdata/peers; the device cannot see ../shared).
+# carried in .peers/: run tools/device-prepare.sh here first, then carry [".peers"].
 # Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
