@@ -14,14 +14,8 @@
 #include "src/cuda/indexer/indexer_kernels.h"
 #include "src/cuda/pool/kv_pool_kernels.h"
 
-// The attention kernels (sparse MLA, dense MHA) live in src/cuda/sm90 and src/cuda/attention,
-// built from attention/sources.cmake; until their header exists those two ops are unsupported.
-#if __has_include("src/cuda/attention/attention_ops.h")
+// The attention kernels (sparse MLA, dense MHA) live in src/cuda/sm90 and src/cuda/attention.
 #include "src/cuda/attention/attention_ops.h"
-#define DSAKIT_CUDA_HAVE_ATTENTION 1
-#else
-#define DSAKIT_CUDA_HAVE_ATTENTION 0
-#endif
 
 namespace dsakit {
 namespace cuda {
@@ -512,21 +506,13 @@ void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj
 void CudaBackend::sparse_mla(const SparseMlaArgs& args) {
   activate();
   validate::sparse_mla(args, Device::kCuda);
-#if DSAKIT_CUDA_HAVE_ATTENTION
   cuda_sparse_mla(args, stream_);
-#else
-  DSAKIT_FAIL(kUnsupported, "sparse_mla: the CUDA attention kernels are not part of this build");
-#endif
 }
 
 void CudaBackend::dense_mha(const DenseMhaArgs& args) {
   activate();
   validate::dense_mha(args, Device::kCuda);
-#if DSAKIT_CUDA_HAVE_ATTENTION
   cuda_dense_mha(args, stream_);
-#else
-  DSAKIT_FAIL(kUnsupported, "dense_mha: the CUDA attention kernels are not part of this build");
-#endif
 }
 
 void CudaBackend::merge_partials(const TensorView& o_parts, const TensorView& lse_parts,
