@@ -4,7 +4,7 @@
 #   2. Release build (CPU backend + CUDA backend for sm_90a when nvcc is present) and all CTest
 #      tests (GPU tests run where a GPU is present and skip cleanly elsewhere),
 #   3. an ASan+UBSan build of the host code and its unit tests,
-#   4. a TSan build (clang + LLVM libomp + archer) of the hostile-input/concurrency tests,
+#   4. a TSan build (clang + LLVM libomp + archer) of the host code and its unit tests,
 #   5. the Python cross-checks (numpy + ml_dtypes) and the command-line tests,
 #   6. a short fixed-time libFuzzer run over the safetensors reader, the config parser, the layer
 #      API and the command line.
@@ -35,16 +35,19 @@ step "tests (address,undefined)"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   DSAKIT_TEST_BACKENDS=cpu ctest --test-dir build-asan --output-on-failure -j "$jobs" -L unit
 
-step "thread sanitizer (clang, libomp + archer; test_hostile, 2 OpenMP threads)"
+step "thread sanitizer build (clang, LLVM libomp + archer; host code only)"
 # GCC's libgomp is not TSan-aware; clang's -fopenmp links LLVM's libomp, and archer (next to
 # clang's libraries) tells TSan about OpenMP's synchronisation. docs/reliability.md has details.
 tsan_cxx=$(command -v clang++ || command -v clang++-14)
 archer=$(dirname "$(readlink -f "$tsan_cxx")")/../lib/libarcher.so
 cmake -S . -B build-tsan -G Ninja -DCMAKE_CXX_COMPILER="$tsan_cxx" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DDSAKIT_CUDA=OFF -DDSAKIT_BENCH=OFF -DDSAKIT_SANITIZE=thread >/dev/null
-cmake --build build-tsan -j "$jobs" --target test_hostile
+cmake --build build-tsan -j "$jobs"
+
+step "tests (thread; 2 OpenMP threads per test, one test at a time)"
 OMP_NUM_THREADS=2 OMP_TOOL_LIBRARIES="$archer" DSAKIT_TEST_BACKENDS=cpu \
-  TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/scripts/tsan.supp" build-tsan/tests/test_hostile
+  TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/scripts/tsan.supp" \
+  ctest --test-dir build-tsan --output-on-failure -j 1 -L unit
 
 step "python cross-checks and command-line tests"
 DSAKIT_BUILD_DIR=build .venv/bin/python -m pytest -q tests/python tests/cli
