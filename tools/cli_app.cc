@@ -61,10 +61,7 @@ int plan_command(const PlanOptions& o) {
   } else if (o.device == "cuda") {
     DSAKIT_CHECK_ARG(o.arch >= 50 && o.arch <= 200, "--arch: expected an sm number like 90, got ",
                      o.arch);
-    caps.device = Device::kCuda;
-    caps.sm_arch = o.arch;
-    caps.device_name = fmt::format("cuda sm_{}", o.arch);
-    caps.dense_mha = o.arch == 90 || o.arch == 100;
+    caps = cuda_capabilities(o.arch);
   } else {
     DSAKIT_FAIL(kInvalidArgument, "--device: expected cpu or cuda, got '", o.device, "'");
   }

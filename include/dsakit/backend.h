@@ -4,6 +4,7 @@
 // index ranges that can be checked without a device round trip) before any write.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -16,10 +17,12 @@ namespace dsakit {
 
 struct Capabilities {
   Device device = Device::kCpu;
-  std::string device_name;                 // "cpu (2 threads)", "NVIDIA H200"
-  int sm_arch = 0;                         // 90 for sm_90; 0 on the CPU
-  bool dense_mha = false;                  // a dense MHA path exists for this device
-  bool dense_kv_visible = false;           // dense_mha honours DenseMhaArgs::kv_visible (DCP)
+  std::string device_name;        // "cpu (2 threads)", "NVIDIA H200"
+  int sm_arch = 0;                // 90 for sm_90; 0 on the CPU
+  bool dense_mha = false;         // a dense MHA path exists for this device
+  bool dense_kv_visible = false;  // dense_mha honours DenseMhaArgs::kv_visible (DCP)
+  // (d_nope, d_rope, d_v) the dense kernels are compiled for; empty: any (the CPU backend).
+  std::vector<std::array<int, 3>> dense_head_dims;
   DType intermediate_dtype = DType::kF32;  // q_abs, o_lat, up-projected K/V
 };
 
@@ -147,6 +150,11 @@ class Backend {
                                       const TensorView& kv_start, const TensorView& ctx_len,
                                       const TensorView& out);
 };
+
+// What the CUDA backend offers on a device of compute capability `sm_arch` (90 = sm_90): the
+// planner's view, shared by CudaBackend and `dsakit plan --device cuda`, so a described device and
+// a real one plan alike. device_name is "cuda sm_<arch>" (CudaBackend replaces it).
+Capabilities cuda_capabilities(int sm_arch);
 
 // The CPU backend (always built). threads <= 0: OpenMP's default.
 std::unique_ptr<Backend> make_cpu_backend(int threads = 0);

@@ -23,6 +23,21 @@ static std::vector<int64_t> shape_of(const TensorView& t) {
   return std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim);
 }
 
+Capabilities cuda_capabilities(int sm_arch) {
+  Capabilities c;
+  c.device = Device::kCuda;
+  c.device_name = "cuda sm_" + std::to_string(sm_arch);
+  c.sm_arch = sm_arch;
+  c.dense_mha = sm_arch == 90 || sm_arch == 100;  // DESIGN.md §5 rule 3
+  c.dense_kv_visible = false;
+  c.intermediate_dtype = DType::kBF16;
+  // The compiled dense instances: src/cuda/sm90/prefill/dense_mha/instantiations/*.cu, dispatched
+  // by dispatch_dense_dims (src/cuda/attention/dispatch.h); keep the two lists equal
+  // (tests/cuda/test_cuda_attention.cc runs both shapes).
+  c.dense_head_dims = {{128, 64, 128}, {192, 64, 256}};
+  return c;
+}
+
 Tensor Backend::to_device(const TensorView& host) {
   Tensor t = empty(host.dtype, shape_of(host));
   copy(t.view(), host);

@@ -80,11 +80,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   const int arch = prop.major * 10 + prop.minor;
   DSAKIT_CHECK(arch == 90, kUnsupported, "device cuda:", device_index, " (", prop.name, ") is sm_",
                arch, "; this dsakit build ships sm_90a kernels only (H100/H200)");
-  caps_.device = Device::kCuda;
+  caps_ = cuda_capabilities(arch);
   caps_.device_name = prop.name;
-  caps_.sm_arch = arch;
-  caps_.dense_mha = arch == 90 || arch == 100;
-  caps_.intermediate_dtype = DType::kBF16;
 
   activate();
   DSAKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));

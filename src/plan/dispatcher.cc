@@ -1,5 +1,7 @@
 // Rule mode of DESIGN.md §5: dense MHA iff all eight conditions hold; otherwise sparse MLA,
 // naming the first condition that failed.
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdlib>
 #include <sstream>
@@ -73,9 +75,17 @@ struct RuleCheck {
   std::string why;
 };
 
+// Whether the backend has a dense kernel for the model's head dims (empty list: any).
+bool has_dense_instance(const Capabilities& caps, const ModelConfig& c) {
+  if (caps.dense_head_dims.empty()) return true;
+  const std::array<int, 3> dims{c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim};
+  return std::find(caps.dense_head_dims.begin(), caps.dense_head_dims.end(), dims) !=
+         caps.dense_head_dims.end();
+}
+
 // The eight conditions of §5 in order; the first one that fails decides.
-RuleCheck check_rules(const Batch& b, KvLayout layout, const Capabilities& caps, int64_t threshold,
-                      int64_t capacity) {
+RuleCheck check_rules(const Batch& b, const ModelConfig& c, KvLayout layout,
+                      const Capabilities& caps, int64_t threshold, int64_t capacity) {
   std::ostringstream os;
   if (b.cuda_graph) return {1, "rule 1: CUDA graph capture/replay cannot branch on host lengths"};
   if (b.mode != ForwardMode::kExtend || b.speculative) {
@@ -85,6 +95,11 @@ RuleCheck check_rules(const Batch& b, KvLayout layout, const Capabilities& caps,
   }
   if (!caps.dense_mha) {
     os << "rule 3: no dense MHA path on " << caps.device_name;
+    return {3, os.str()};
+  }
+  if (!has_dense_instance(caps, c)) {
+    os << "rule 3: no dense MHA kernel for d_nope/d_rope/d_v = " << c.qk_nope_head_dim << "/"
+       << c.qk_rope_head_dim << "/" << c.v_head_dim << " on " << caps.device_name;
     return {3, os.str()};
   }
   const int64_t max_len = b.max_kv_len();
@@ -132,8 +147,10 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
       os << "forced sparse MLA (dispatch=sparse), max L_r = " << max_len;
       break;
     case DispatchMode::kDense: {
-      DSAKIT_CHECK(caps.dense_mha, kUnsupported, "dispatch=dense: no dense MHA path on ",
-                   caps.device_name);
+      DSAKIT_CHECK(
+          caps.dense_mha && has_dense_instance(caps, config), kUnsupported,
+          "dispatch=dense: no dense MHA kernel for d_nope/d_rope/d_v = ", config.qk_nope_head_dim,
+          "/", config.qk_rope_head_dim, "/", config.v_head_dim, " on ", caps.device_name);
       DSAKIT_CHECK_ARG(max_len <= k || policy.allow_approximation,
                        "dispatch=dense: max L_r = ", max_len, " > index_topk ", k,
                        " makes dense an approximation of the model; opt in explicitly to allow it");
@@ -143,7 +160,8 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
     }
     case DispatchMode::kCost:
     case DispatchMode::kRule: {
-      const RuleCheck c = check_rules(batch, layout, caps, threshold, policy.chunk_capacity);
+      const RuleCheck c =
+          check_rules(batch, config, layout, caps, threshold, policy.chunk_capacity);
       plan.rule = c.rule;
       plan.path = c.rule == 0 ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
       if (policy.mode == DispatchMode::kCost)

@@ -79,6 +79,19 @@ TEST_F(DispatchTest, Rule3NoDensePathOnDevice) {
   EXPECT_TRUE(contains(p.reason, "test sm_80")) << p.reason;
 }
 
+TEST_F(DispatchTest, Rule3NoDenseKernelForTheseHeadDims) {
+  caps.dense_head_dims = {{128, 64, 128}, {192, 64, 256}};
+  EXPECT_EQ(plan().path, AttentionPath::kDenseMha);  // DeepSeek-V3.2 dims are compiled
+  config.qk_nope_head_dim = 64;
+  const Plan p = plan();
+  EXPECT_EQ(p.rule, 3);
+  EXPECT_TRUE(contains(p.reason, "no dense MHA kernel for d_nope/d_rope/d_v = 64/64/128"))
+      << p.reason;
+  DispatchPolicy pol;
+  pol.mode = DispatchMode::kDense;
+  EXPECT_THROW(plan(pol), Error);
+}
+
 TEST_F(DispatchTest, Rule4CountsPrefixPlusExtend) {
   batch.prefix_lens = {0, 2000};
   batch.extend_lens = {10, 49};  // extend alone is tiny, L = 2049
