@@ -21,6 +21,7 @@ t0=$(date +%s)
 note() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 export DSAKIT_PEERS_DIR=${DSAKIT_PEERS_DIR:-$PWD/.peers}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+export DSAKIT_TEST_BACKENDS=${DSAKIT_TEST_BACKENDS:-cuda}
 jobs=$(nproc)
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit \
@@ -39,8 +40,7 @@ fi
 grep -E "spill|Local memory" "$out/build.log" | sort -u >"$out/spills.txt"
 
 if [ "${result[build]}" = PASS ] && want tests; then
-  note "tests (backends: ${DSAKIT_TEST_BACKENDS:=cuda})"
-  export DSAKIT_TEST_BACKENDS
+  note "tests (backends: $DSAKIT_TEST_BACKENDS)"
   for t in build-dev/tests/test_*; do
     name=$(basename "$t")
     if timeout 300 "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then result[$name]=PASS
@@ -49,23 +49,31 @@ if [ "${result[build]}" = PASS ] && want tests; then
 fi
 
 if [ "${result[build]}" = PASS ] && want sanitize; then
-  note "compute-sanitizer"
-  san() {  # tool binary filter
-    local log="$out/san_$1_$(basename "$2").log"
-    if timeout 600 compute-sanitizer --tool "$1" --error-exitcode 9 "$2" --gtest_brief=1 \
-         --gtest_filter="$3" >"$log" 2>&1; then result["san:$1:$(basename "$2")"]=PASS
-    else result["san:$1:$(basename "$2")"]=FAIL; tail -15 "$log"; fi
+  note "compute-sanitizer (parallel jobs, ${SAN_TIMEOUT:=420} s each)"
+  san() {  # tool binary: one job; its verdict goes to a .rc file read after the wait
+    local name="san:$1:$(basename "$2")" log="$out/san_$1_$(basename "$2").log"
+    ( timeout "$SAN_TIMEOUT" compute-sanitizer --tool "$1" --error-exitcode 9 "$2" --gtest_brief=1 \
+        >"$log" 2>&1; echo $? >"$log.rc" ) &
   }
   # memcheck over every test binary that drives the GPU (DSAKIT_TEST_BACKENDS=cuda), racecheck
-  # and initcheck over the CUDA-specific suites. Run once: 'tools/device-check.sh build sanitize'.
+  # and initcheck over the CUDA-specific suites.
   for t in test_cuda_backend test_cuda_attention test_pool test_indexer test_peers test_layer \
            test_hostile; do
-    san memcheck "build-dev/tests/$t" '*'
+    san memcheck "build-dev/tests/$t"
   done
-  san racecheck build-dev/tests/test_cuda_attention '*'
-  san racecheck build-dev/tests/test_cuda_backend '*'
-  san initcheck build-dev/tests/test_cuda_backend '*'
-  san initcheck build-dev/tests/test_cuda_attention '*'
+  san racecheck build-dev/tests/test_cuda_attention
+  san racecheck build-dev/tests/test_cuda_backend
+  san initcheck build-dev/tests/test_cuda_backend
+  san initcheck build-dev/tests/test_cuda_attention
+  wait
+  for rc in "$out"/san_*.log.rc; do
+    log=${rc%.rc}; base=$(basename "$log" .log); tool=${base#san_}; tool=${tool%%_*}
+    bin=${base#san_"$tool"_}
+    if [ "$(cat "$rc")" = 0 ]; then result["san:$tool:$bin"]=PASS
+    else result["san:$tool:$bin"]="FAIL(rc $(cat "$rc"))"; tail -15 "$log"; fi
+    grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1 | sed "s/^/  $tool $bin: /"
+  done
+  rm -f "$out"/san_*.log.rc
 fi
 
 if [ "${result[build]}" = PASS ] && want verify; then
