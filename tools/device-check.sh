@@ -65,7 +65,20 @@ if [ "${result[build]}" = PASS ] && want sanitize; then
   san racecheck build-dev/tests/test_cuda_backend
   san initcheck build-dev/tests/test_cuda_backend
   san initcheck build-dev/tests/test_cuda_attention
+  # Does initcheck see cuBLAS's stores? The probe reads a GEMM's output with a plain kernel,
+  # once after a memset (must be clean) and once with only cuBLAS writing it (informational).
+  for v in memset plain; do
+    ( timeout 120 compute-sanitizer --tool initcheck --error-exitcode 9 build-dev/tests/initcheck_probe \
+        "$v" >"$out/probe_initcheck_$v.log" 2>&1; echo $? >"$out/probe_initcheck_$v.rc" ) &
+  done
   wait
+  for v in memset plain; do
+    rc=$(cat "$out/probe_initcheck_$v.rc"); rm -f "$out/probe_initcheck_$v.rc"
+    summary=$(grep -hE "ERROR SUMMARY" "$out/probe_initcheck_$v.log" | tail -1)
+    echo "  initcheck probe ($v): rc $rc, $summary"
+    if [ $v = memset ]; then [ "$rc" = 0 ] && result[probe:initcheck:memset]=PASS || result[probe:initcheck:memset]="FAIL(rc $rc)"
+    else probe_plain="rc $rc, $summary"; fi
+  done
   for rc in "$out"/san_*.log.rc; do
     log=${rc%.rc}; base=$(basename "$log" .log); tool=${base#san_}; tool=${tool%%_*}
     bin=${base#san_"$tool"_}
@@ -133,5 +146,6 @@ for k in $(printf '%s\n' "${!result[@]}" | sort); do
   printf '%-44s %s\n' "$k" "${result[$k]}"
   [ "${result[$k]}" = PASS ] || fail=1
 done
+[ -n "${probe_plain:-}" ] && printf '%-44s %s\n' "info: initcheck probe, cuBLAS-only writes" "$probe_plain"
 printf '%-44s %s\n' "device time (s)" "$(( $(date +%s) - t0 ))"
 exit $fail

@@ -55,7 +55,10 @@ __device__ __forceinline__ void select_bin(const int* hist, int shift, RadixStat
     const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
     if (lane >= offset) inclusive += v;
   }
-  const int above_lane = inclusive - local;      // keys in bins above this lane's bins
+  const int above_lane = inclusive - local;  // keys in bins above this lane's bins
+  // Every lane has read state->need before the one selecting lane writes it (the shuffles
+  // converge the warp but do not order its shared-memory accesses; racecheck flags it).
+  __syncwarp();
   if (above_lane < need && need <= inclusive) {  // exactly one lane
     int above = above_lane;
     bool found = false;
