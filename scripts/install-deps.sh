@@ -25,7 +25,7 @@ venv="$here/../.venv"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c "import numpy, ml_dtypes, pytest" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import numpy, ml_dtypes, pytest, matplotlib" 2>/dev/null; then
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/requirements.txt"
 fi
 echo "[install-deps] ok"

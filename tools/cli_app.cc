@@ -1,4 +1,4 @@
-// dsakit: the command line. Subcommands: run, plan, info. run_cli() is main() without the
+// dsakit: the command line. Subcommands: run, plan, bench, calibrate, info. run_cli() is main() without the
 // process: the fuzz target fuzz/fuzz_cli.cc calls it in-process.
 #include "tools/cli_app.h"
 
@@ -11,6 +11,7 @@
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
 #include "dsakit/plan.h"
+#include "tools/bench_command.h"
 #include "tools/cli_common.h"
 #include "tools/run_command.h"
 
@@ -28,6 +29,7 @@ struct PlanOptions {
   std::string mode = "extend";
   bool speculative = false, cuda_graph = false, context_parallel = false, hisparse = false;
   std::string dispatch = "rule";
+  std::string profile, device_name;
   int64_t threshold = -1;
   bool allow_approx = false;
   int64_t chunk_capacity = 131072;
@@ -55,13 +57,14 @@ int plan_command(const PlanOptions& o) {
   batch.hierarchical_sparse_cache = o.hisparse;
   Capabilities caps;
   if (o.device == "cpu") {
-    caps.device = Device::kCpu;
-    caps.device_name = "cpu";
-    caps.dense_mha = true;
+    caps = make_cpu_backend()->capabilities();
   } else if (o.device == "cuda") {
     DSAKIT_CHECK_ARG(o.arch >= 50 && o.arch <= 200, "--arch: expected an sm number like 90, got ",
                      o.arch);
     caps = cuda_capabilities(o.arch);
+    // A profile is keyed by the GPU's name: take it from the device when one is visible.
+    if (o.device_name.empty() && cuda_device_count() > 0)
+      caps.device_name = make_cuda_backend(0)->capabilities().device_name;
   } else {
     DSAKIT_FAIL(kInvalidArgument, "--device: expected cpu or cuda, got '", o.device, "'");
   }
@@ -70,6 +73,8 @@ int plan_command(const PlanOptions& o) {
   policy.threshold = o.threshold;
   policy.allow_approximation = o.allow_approx;
   policy.chunk_capacity = o.chunk_capacity;
+  if (!o.profile.empty()) policy = policy.with_profile(o.profile);
+  if (!o.device_name.empty()) caps.device_name = o.device_name;
   const Plan plan = plan_batch(batch, cfg, parse_kv_layout(o.kv), caps, policy.with_env());
   if (o.json) {
     nlohmann::json j = {{"path", to_string(plan.path)},
@@ -77,6 +82,14 @@ int plan_command(const PlanOptions& o) {
                         {"rule", plan.rule},
                         {"approximate", plan.approximate},
                         {"reason", plan.reason}};
+    for (const auto& s : plan.segments)
+      j["segments"].push_back({{"first_request", s.first_request},
+                               {"num_requests", s.num_requests},
+                               {"path", to_string(s.path)}});
+    if (plan.predicted_ms >= 0)
+      j["predicted_ms"] = {{"dense", plan.predicted_dense_ms},
+                           {"sparse", plan.predicted_sparse_ms},
+                           {"plan", plan.predicted_ms}};
     fmt::print("{}\n", j.dump(2));
   } else {
     fmt::print("{}: {}\n", to_string(plan.path), plan.reason);
@@ -162,6 +175,8 @@ int run_cli(int argc, char** argv) {
                                         "Decode steps after the prefill (always sparse MLA)")
                             ->capture_default_str();
   run->add_option("--dispatch", ro.dispatch, "rule | cost | dense | sparse")->capture_default_str();
+  run->add_option("--profile", ro.profile,
+                  "Cost-mode profile written by dsakit calibrate (or set DSAKIT_PROFILE)");
   run->add_option("--threshold", ro.threshold,
                   "Dense MHA when max prefix+extend <= this (default: index_topk)");
   run->add_flag("--allow-approx", ro.allow_approx,
@@ -203,19 +218,95 @@ int run_cli(int argc, char** argv) {
   plan->add_flag("--hisparse", po.hisparse, "A host-offloaded sparse KV cache is attached");
   plan->add_option("--dispatch", po.dispatch, "rule | cost | dense | sparse")
       ->capture_default_str();
+  plan->add_option("--profile", po.profile,
+                   "Cost-mode profile written by dsakit calibrate (or set DSAKIT_PROFILE)");
+  plan->add_option("--device-name", po.device_name,
+                   "Device name a profile entry is keyed by (default: this machine's GPU for "
+                   "cuda, its CPU backend for cpu)");
   plan->add_option("--threshold", po.threshold, "Dense threshold (default: index_topk)");
   plan->add_flag("--allow-approx", po.allow_approx, "Allow a threshold above index_topk");
   plan->add_option("--chunk-capacity", po.chunk_capacity, "Max total tokens for dense")
       ->capture_default_str();
   plan->add_flag("--json", po.json, "Print JSON");
 
+  BenchOptions bo;
+  CLI::App* bench = app.add_subcommand(
+      "bench",
+      "Time the whole layer call (store + indexer + top-k + attention + projections) per "
+      "dispatch mode over a grid of shapes: fresh prompts, cached prefix x extend, mixed "
+      "batches; for each model config and pool layout. Prints a table (ms, TFLOP/s, % of the "
+      "measured GEMM ceiling, speed-up over always-sparse, cost/oracle) and a summary; --json "
+      "writes every row (rewritten after each shape: Ctrl-C leaves valid partial JSON).\n"
+      "Examples:\n  dsakit bench --device cpu --grid quick\n  dsakit calibrate --out prof.json "
+      "&& dsakit bench --profile prof.json --json bench.json --plot docs/img/bench");
+  bench->add_option("--device", bo.device, "cpu | cuda | auto")->capture_default_str();
+  bench->add_option("--threads", bo.threads, "CPU threads (0: all cores)");
+  bench->add_option("--models", bo.models,
+                    "Configs as PRESET[:TP] list (default: cuda deepseek-v3.2:1,deepseek-v3.2:8,"
+                    "glm-5:1,glm-5:4 i.e. H per rank 128/16/64/16; cpu the two 16-head shards)");
+  bench->add_option("--kv", bo.kv, "Pool layouts, a list of bf16, fp8, fp8-raw")
+      ->capture_default_str();
+  bench->add_option("--grid", bo.grid,
+                    "quick (seconds) | small (cpu default) | full (cuda default: fresh 256..64K, "
+                    "prefix 256..32K x extend 1..8K, mixed batches)");
+  bench->add_option("--fresh", bo.fresh, "Override the grid's fresh prompt lengths (list)");
+  bench->add_option("--prefixes", bo.prefixes, "Override the grid's cached prefix lengths (list)");
+  bench->add_option("--extends", bo.extends, "Override the grid's extend lengths (list)");
+  bench->add_flag("--no-mixed", bo.no_mixed, "Leave out the mixed batches");
+  bench->add_option("--modes", bo.modes, "Dispatch modes to time (list of dense, sparse, rule, "
+                                         "cost; dense only where it is exact)")
+      ->capture_default_str();
+  bench->add_option("--profile", bo.profile,
+                    "Cost-mode profile from dsakit calibrate (or DSAKIT_PROFILE); without one, "
+                    "cost mode falls back to rule mode");
+  bench->add_option("--runs", bo.runs, "At most this many timed calls per mode and shape (median)")
+      ->capture_default_str();
+  bench->add_option("--min-runs", bo.min_runs, "At least this many, whatever the budget")
+      ->capture_default_str();
+  bench->add_option("--budget-ms", bo.budget_ms,
+                    "Per shape: stop adding runs once this much wall time is spent")
+      ->capture_default_str();
+  bench->add_flag("!--no-stages", bo.stages, "Skip the per-stage timing calls");
+  bench->add_option("--json", bo.json, "Write all rows and the summary as JSON");
+  bench->add_option("--plot", bo.plot,
+                    "Draw PREFIX-curves/-decision/-speedup figures with tools/plot_bench.py "
+                    "(matplotlib); JSON goes to --json or PREFIX.json");
+  bench->add_option("--plot-format", bo.plot_format, "png | svg")->capture_default_str();
+  bench->add_option("--seed", bo.seed, "Seed of the random inputs")->capture_default_str();
+  bench->add_flag("--quiet", bo.quiet, "No progress line");
+
+  CalibrateOptions co;
+  CLI::App* calibrate = app.add_subcommand(
+      "calibrate",
+      "Measure dense MHA and sparse MLA on this device over a compact grid and fit the cost "
+      "model (per-stage and whole-call linear terms in tokens, context and heads); writes or "
+      "updates a profile JSON keyed by device name, model dimensions and pool layout, which "
+      "--dispatch cost reads (--profile FILE or DSAKIT_PROFILE=FILE).\n"
+      "Example:\n  dsakit calibrate --models deepseek-v3.2:8 --kv fp8 --out h200.json");
+  calibrate->add_option("--device", co.device, "cpu | cuda | auto")->capture_default_str();
+  calibrate->add_option("--threads", co.threads, "CPU threads (0: all cores)");
+  calibrate->add_option("--models", co.models,
+                        "Configs as PRESET[:TP] list (defaults as for bench)");
+  calibrate->add_option("--kv", co.kv, "Pool layouts, a list of bf16, fp8, fp8-raw")
+      ->capture_default_str();
+  calibrate->add_option("--out", co.out,
+                        "Profile file (entries for other keys already in it are kept)")
+      ->capture_default_str();
+  calibrate->add_option("--runs", co.runs, "Timed calls per path and shape (median)")
+      ->capture_default_str();
+  calibrate->add_option("--budget-ms", co.budget_ms, "Per shape wall-time budget")
+      ->capture_default_str();
+  calibrate->add_option("--seed", co.seed, "Seed of the random inputs")->capture_default_str();
+  calibrate->add_flag("--quiet", co.quiet, "Print nothing but errors");
+
   CLI::App* info = app.add_subcommand("info", "Print the build (backends, kernels) and devices");
 
   const std::string first = argc > 1 ? argv[1] : "";
-  if (!first.empty() && first[0] != '-' && first != "run" && first != "plan" && first != "info") {
+  if (!first.empty() && first[0] != '-' && first != "run" && first != "plan" &&
+      first != "bench" && first != "calibrate" && first != "info") {
     std::fprintf(stderr,
-                 "dsakit: error: unknown subcommand '%s' (expected run, plan or info; see "
-                 "dsakit --help)\n",
+                 "dsakit: error: unknown subcommand '%s' (expected run, plan, bench, calibrate "
+                 "or info; see dsakit --help)\n",
                  argv[1]);
     return kExitUsage;
   }
@@ -242,6 +333,8 @@ int run_cli(int argc, char** argv) {
       return run_command(ro);
     }
     if (*plan) return plan_command(po);
+    if (*bench) return bench_command(bo);
+    if (*calibrate) return calibrate_command(co);
     if (*info) return info_command();
   } catch (const dsakit::Error& e) {
     std::fprintf(stderr, "dsakit: error: %s\n", e.what());

@@ -8,7 +8,9 @@
 #   5. the CUDA benchmark and the PyTorch SDPA peer,
 # then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files must be
 # carried in .peers/: run tools/device-prepare.sh here first, then carry [".peers"].
-# Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench]...
+#   6. (explicit only) `dsakit calibrate` into $OUT/profile.json and `dsakit bench` with it
+#      (DSAKIT_BENCH_MODELS, DSAKIT_PROFILE_IN, DSAKIT_LAYERBENCH_ARGS pass through).
+# Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench|calibrate|layerbench]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -134,6 +136,29 @@ if [ "${result[build]}" = PASS ] && want bench; then
        2>"$out/peer_sdpa.err"; then result[peer]=PASS
   else result[peer]=FAIL; tail -5 "$out/peer_sdpa.err"; fi
   cat "$out/bench_cuda.txt" "$out/peer_sdpa.txt"
+fi
+
+# Layer benchmark steps (explicit only, not part of 'all': minutes of device time).
+explicit() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+models=${DSAKIT_BENCH_MODELS:-deepseek-v3.2:1,deepseek-v3.2:8,glm-5:1,glm-5:4}
+profile=${DSAKIT_PROFILE_IN:-$out/profile.json}
+if [ "${result[build]}" = PASS ] && explicit calibrate; then
+  note "dsakit calibrate ($models)"
+  if timeout 400 build-dev/bin/dsakit calibrate --device cuda --models "$models" --kv bf16,fp8 \
+       --out "$out/profile.json" >"$out/calibrate.txt" 2>"$out/calibrate.err"; then
+    result[calibrate]=PASS
+  else result[calibrate]=FAIL; tail -5 "$out/calibrate.err"; fi
+  cat "$out/calibrate.txt"
+fi
+if [ "${result[build]}" = PASS ] && explicit layerbench; then
+  bench_models=${DSAKIT_LAYERBENCH_MODELS:-$models}
+  note "dsakit bench ($bench_models, profile $profile)"
+  # shellcheck disable=SC2086
+  if timeout "${LAYERBENCH_TIMEOUT:-420}" build-dev/bin/dsakit bench --device cuda --models "$bench_models" \
+       --profile "$profile" --json "$out/bench_layer.json" ${DSAKIT_LAYERBENCH_ARGS:-} \
+       >"$out/bench_layer.txt" 2>"$out/bench_layer.err"; then result[layerbench]=PASS
+  else result[layerbench]=FAIL; tail -5 "$out/bench_layer.err"; fi
+  tail -8 "$out/bench_layer.txt"
 fi
 
 note "done"

@@ -189,6 +189,7 @@ int run_command(const RunOptions& opt) {
   lo.policy.mode = parse_dispatch_mode(opt.dispatch);
   lo.policy.threshold = opt.threshold;
   lo.policy.allow_approximation = opt.allow_approx;
+  if (!opt.profile.empty()) lo.policy = lo.policy.with_profile(opt.profile);
   lo.time_stages = true;
   lo.max_workspace_bytes = opt.max_workspace_mb << 20;
   DsaAttention layer(cfg, *be, kv_pool, index_pool, kv_b_proj, lo);
@@ -250,7 +251,7 @@ int run_command(const RunOptions& opt) {
   mem.pool_bytes = int64_t(kv_pool.storage().nbytes()) + int64_t(index_pool.storage().nbytes());
   for (const auto& st : out.steps)
     mem.peak_workspace_bytes =
-        std::max(mem.peak_workspace_bytes, layer.workspace_bytes(st.batch, st.plan.path));
+        std::max(mem.peak_workspace_bytes, layer.workspace_bytes(st.batch, st.plan));
 
   // ---- verify against the float64 reference on sampled tokens ----------------------------
   VerifyResult vr;
@@ -274,9 +275,13 @@ int run_command(const RunOptions& opt) {
     snap.bf16_intermediates = be->capabilities().intermediate_dtype == DType::kBF16;
     // Path per row, from the step that computed it.
     std::vector<int8_t> dense_row(size_t(tokens.rows()), -1);
-    for (size_t i = prefix_steps; i < out.steps.size(); ++i)
-      for (int64_t row : out.steps[i].rows)
-        dense_row[size_t(row)] = out.steps[i].plan.path == AttentionPath::kDenseMha;
+    for (size_t i = prefix_steps; i < out.steps.size(); ++i) {
+      const StepRecord& st = out.steps[i];
+      size_t j = 0;
+      for (int r = 0; r < st.batch.num_requests(); ++r)
+        for (int32_t e = 0; e < st.batch.extend_lens[size_t(r)]; ++e)
+          dense_row[size_t(st.rows[j++])] = st.plan.path_of(r) == AttentionPath::kDenseMha;
+    }
     std::mt19937_64 gen(opt.seed + 3);
     std::vector<reference::TokenQuery> qs;
     std::vector<int64_t> q_rows;
@@ -363,7 +368,7 @@ int run_command(const RunOptions& opt) {
     w.add("o", o_bf16);
     w.add("lse", out.lse);
     if (std::any_of(out.steps.begin(), out.steps.end(),
-                    [](const StepRecord& s) { return s.plan.path == AttentionPath::kSparseMla; }))
+                    [](const StepRecord& s) { return s.plan.path != AttentionPath::kDenseMha; }))
       w.add("topk", out.topk);
     // Pool rows of every token in position order (row order of the inputs).
     const Tensor kv_host = be->to_host(kv_pool.storage());

@@ -21,6 +21,7 @@ struct RunOptions {
   int chunk = 0;
   int decode_steps = 0;
   std::string dispatch = "rule";
+  std::string profile;  // cost-mode calibration profile (dsakit calibrate)
   int64_t threshold = -1;
   bool allow_approx = false;
   double sm_scale = 0;

@@ -85,6 +85,16 @@ class Backend {
   virtual void poison(const TensorView& dst) = 0;
   virtual void synchronize() = 0;
 
+  // The machine's ceilings, measured now (benchmarks print results against them): copy
+  // bandwidth (read + write bytes of a large device-to-device copy) and the dense GEMM rate of
+  // the precision the backend computes its projections in (CUDA: cuBLAS bf16 8192^3; CPU:
+  // OpenBLAS sgemm 2048^3 on the backend's threads). Takes about a second.
+  struct Ceilings {
+    double copy_gbs = 0, gemm_tflops = 0;
+    std::string gemm;  // what the GEMM rate is of
+  };
+  virtual Ceilings measure_ceilings() = 0;
+
   PagedKvPool make_kv_pool(const KvPoolDesc& desc);  // zero-filled
   IndexKeyPool make_index_pool(const IndexKeyPoolDesc& desc);
   Tensor to_device(const TensorView& host);  // copy of a host tensor

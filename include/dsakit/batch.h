@@ -34,6 +34,8 @@ struct Batch {
   int64_t num_new_tokens() const;  // T
   int64_t total_kv_len() const;    // Σ L_r
   int32_t max_kv_len() const;      // max L_r
+  // Requests [first, first + count) as a batch of their own (engine-state flags kept).
+  Batch slice(int first, int count) const;
 
   // Throws Error(kInvalidArgument) naming the request and field: sizes agree, lengths >= 0,
   // L_r fits the page table, page ids in [0, num_pages), no page shared between requests

@@ -2,6 +2,7 @@
 // store the new tokens' latent KV and index keys into the pools, plan, run the chosen path.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,8 @@ struct StageTime {
 struct LayerResult {
   Tensor o;     // [T, H, d_v]: bf16 (or LayerOptions::output_dtype)
   Tensor lse;   // f32 [T, H], natural log
-  Tensor topk;  // i32 [T, index_topk] positions within each request (sparse path only)
+  Tensor topk;  // i32 [T, index_topk] positions within each request (sparse path or a mixed
+                // plan, whose dense rows hold -1; undefined for the dense path)
   Plan plan;
   std::vector<StageTime> stages;  // filled when LayerOptions::time_stages
 };
@@ -63,7 +65,9 @@ class DsaAttention {
   double sm_scale() const { return sm_scale_; }
   Backend& backend() const { return backend_; }
   const LayerOptions& options() const { return options_; }
-  void set_policy(const DispatchPolicy& policy) { options_.policy = policy; }
+  // Replaces the dispatch policy (DSAKIT_PROFILE, when set, is read here and at construction,
+  // not per call).
+  void set_policy(const DispatchPolicy& policy);
 
   // The dispatcher's decision for `batch` (validates the batch against the pools).
   Plan plan(const Batch& batch) const;
@@ -74,12 +78,20 @@ class DsaAttention {
   // indexer's row-block buffers (at most 256 MiB). Kernel-internal scratch (per-thread tiles,
   // f32 staging of bf16 operands) is not included.
   int64_t workspace_bytes(const Batch& batch, AttentionPath path) const;
+  // The same for a plan (a mixed plan: its largest segment plus the whole batch's outputs).
+  int64_t workspace_bytes(const Batch& batch, const Plan& plan) const;
 
   // Validates everything (batch, page tables, input shapes) before the first write; then stores
   // the new tokens, plans and runs. A rejected call leaves both pools untouched.
   LayerResult forward(const Batch& batch, const LayerInputs& inputs);
 
  private:
+  // One path over the requests `bi` indexes (their new tokens are already stored); `in`, o,
+  // lse and topk hold exactly their rows. topk may be empty for the dense path.
+  void run_path(AttentionPath path, const BatchIndex& bi, const LayerInputs& in,
+                const TensorView& o, const TensorView& lse, const TensorView& topk,
+                const std::function<void(const char*, const std::function<void()>&)>& stage);
+
   ModelConfig config_;
   Backend& backend_;
   PagedKvPool& kv_pool_;

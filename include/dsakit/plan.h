@@ -4,18 +4,22 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "dsakit/backend.h"
 #include "dsakit/batch.h"
 #include "dsakit/config.h"
+#include "dsakit/cost_model.h"
 #include "dsakit/pool.h"
 
 namespace dsakit {
 
-enum class AttentionPath : uint8_t { kDenseMha, kSparseMla };
-const char* to_string(AttentionPath path);  // "dense_mha" | "sparse_mla"
+// kMixed: cost mode split the batch into runs of requests, each through its own path
+// (Plan::segments).
+enum class AttentionPath : uint8_t { kDenseMha, kSparseMla, kMixed };
+const char* to_string(AttentionPath path);  // "dense_mha" | "sparse_mla" | "mixed"
 
 enum class DispatchMode : uint8_t {
   kRule,    // the engines' eight-condition rule (default)
@@ -33,10 +37,25 @@ struct DispatchPolicy {
       false;                        // permit dense with L_r > index_topk (not the model's function)
   int64_t chunk_capacity = 131072;  // max Σ L_r the dense path may materialize
   std::vector<std::string> overrides;  // environment overrides applied (echoed in the reason)
+  // Cost mode's calibration (dsakit calibrate); null: cost mode falls back to rule mode.
+  std::shared_ptr<const CostProfile> profile;
+  std::string profile_path;  // file `profile` was read from, if any
+  bool allow_split = true;   // cost mode may run a batch as dense and sparse sub-batches
 
-  // Applies DSAKIT_DISPATCH and DSAKIT_DENSE_KV_LEN_THRESHOLD from the environment (validated:
-  // a malformed value throws Error(kInvalidArgument) naming the variable).
+  // Applies DSAKIT_DISPATCH, DSAKIT_DENSE_KV_LEN_THRESHOLD and DSAKIT_PROFILE from the
+  // environment (validated: a malformed value or an unreadable/stale profile throws
+  // Error(kInvalidArgument) naming the variable). The profile is read once per path: a policy
+  // already holding the file named by DSAKIT_PROFILE keeps it.
   DispatchPolicy with_env() const;
+  // Reads the profile at `path` into the policy (throws like CostProfile::load).
+  DispatchPolicy with_profile(const std::string& path) const;
+};
+
+// A run of consecutive requests that takes one path.
+struct PlanSegment {
+  int first_request = 0;
+  int num_requests = 0;
+  AttentionPath path = AttentionPath::kSparseMla;
 };
 
 struct Plan {
@@ -45,6 +64,14 @@ struct Plan {
   int rule = 0;              // the deciding rule of §5 (1-8), 0 when forced or all passed
   bool approximate = false;  // dense over contexts longer than index_topk (opt-in)
   std::string reason;        // one line naming the deciding rule and its numbers
+  // Runs of requests in batch order with their paths: one segment covering the batch unless
+  // path == kMixed.
+  std::vector<PlanSegment> segments;
+  // Cost mode with a profile: predicted ms of the whole batch through each path (-1: that path
+  // is not allowed) and of the chosen plan.
+  double predicted_dense_ms = -1, predicted_sparse_ms = -1, predicted_ms = -1;
+
+  AttentionPath path_of(int request) const;  // the path request `request` takes
 };
 
 // Throws Error(kInvalidArgument) for a policy that cannot be honoured (e.g. a threshold above

@@ -69,6 +69,9 @@ struct TensorView {
 // A contiguous view over `data`.
 TensorView make_view(void* data, DType dtype, Device device, const std::vector<int64_t>& shape);
 
+// Rows [begin, end) of a view along dimension 0 (same strides; still contiguous when `v` is).
+TensorView slice_rows(const TensorView& v, int64_t begin, int64_t end);
+
 // An owning tensor. Host tensors allocate here; device tensors come from a Backend.
 class Tensor {
  public:

@@ -96,6 +96,16 @@ TensorView make_view(void* data, DType dtype, Device device, const std::vector<i
   return v;
 }
 
+TensorView slice_rows(const TensorView& v, int64_t begin, int64_t end) {
+  DSAKIT_CHECK_ARG(v.ndim >= 1 && begin >= 0 && begin <= end && end <= v.shape[0],
+                   "slice_rows: rows [", begin, ", ", end, ") of a tensor of shape ", v.shape_str());
+  TensorView s = v;
+  s.shape[0] = end - begin;
+  if (v.data)
+    s.data = static_cast<char*>(v.data) + begin * v.stride[0] * int64_t(dtype_size(v.dtype));
+  return s;
+}
+
 Tensor Tensor::host(DType dtype, const std::vector<int64_t>& shape) {
   TensorView v = make_view(nullptr, dtype, Device::kCpu, shape);
   const size_t bytes = (v.nbytes() + 63) / 64 * 64;

@@ -2,13 +2,17 @@
 // kernel (src/cpu/kernels.h). Host memory only.
 #include <omp.h>
 
+#include <chrono>
 #include <cmath>
+#include <memory>
+#include <vector>
 #include <cstring>
 #include <limits>
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
 #include "src/core/validate.h"
+#include "src/cpu/gemm/blas.h"
 #include "src/cpu/kernels.h"
 
 namespace dsakit {
@@ -74,6 +78,41 @@ class CpuBackend final : public Backend {
   }
 
   void synchronize() override {}
+
+  Ceilings measure_ceilings() override {
+    Ceilings c;
+    const int threads = ctx_.threads;
+    const int64_t bytes = int64_t(256) << 20;
+    std::unique_ptr<char[]> src(new char[size_t(bytes)]), dst(new char[size_t(bytes)]);
+    std::memset(src.get(), 0x5A, size_t(bytes));
+    std::memset(dst.get(), 0, size_t(bytes));
+    auto best_ms = [](int runs, const auto& fn) {
+      double best = 1e300;
+      for (int i = 0; i < runs; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        fn();
+        best = std::min(best, std::chrono::duration<double, std::milli>(
+                                  std::chrono::steady_clock::now() - t0)
+                                  .count());
+      }
+      return best;
+    };
+    const double copy_ms = best_ms(5, [&] {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int i = 0; i < 64; ++i)
+        std::memcpy(dst.get() + i * (bytes / 64), src.get() + i * (bytes / 64), size_t(bytes / 64));
+    });
+    c.copy_gbs = 2.0 * double(bytes) / (copy_ms * 1e-3) / 1e9;
+    const int n = 2048;
+    std::vector<float> a(size_t(n) * n, 0.5f), b(size_t(n) * n, 0.25f), o(size_t(n) * n);
+    cpu::ScopedBlasThreads blas(threads);
+    const double gemm_ms = best_ms(3, [&] {
+      cpu::sgemm(false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, o.data(), n);
+    });
+    c.gemm_tflops = 2.0 * n * double(n) * n / (gemm_ms * 1e-3) / 1e12;
+    c.gemm = "OpenBLAS sgemm 2048^3, " + std::to_string(threads) + " threads";
+    return c;
+  }
 
   void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                 const TensorView& k_pe) override {

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "dsakit/error.h"
 #include "src/core/validate.h"
@@ -189,6 +190,56 @@ void CudaBackend::poison(const TensorView& dst) {
 void CudaBackend::synchronize() {
   activate();
   DSAKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+Backend::Ceilings CudaBackend::measure_ceilings() {
+  activate();
+  // Median of 10 timed runs after 2 warm-ups, CUDA events on the backend's stream.
+  auto median_ms = [&](const auto& fn) {
+    cudaEvent_t a, b;
+    DSAKIT_CUDA_CHECK(cudaEventCreate(&a));
+    DSAKIT_CUDA_CHECK(cudaEventCreate(&b));
+    std::vector<float> ms;
+    for (int i = 0; i < 12; ++i) {
+      DSAKIT_CUDA_CHECK(cudaEventRecord(a, stream_));
+      fn();
+      DSAKIT_CUDA_CHECK(cudaEventRecord(b, stream_));
+      DSAKIT_CUDA_CHECK(cudaEventSynchronize(b));
+      float t = 0;
+      DSAKIT_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+      if (i >= 2) ms.push_back(t);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+    return double(ms[ms.size() / 2]);
+  };
+  Ceilings c;
+  const int64_t bytes = int64_t(1) << 30;
+  {
+    Tensor src = empty(DType::kU8, {bytes}), dst = empty(DType::kU8, {bytes});
+    fill_bytes(src, 0x5A);
+    const double ms = median_ms([&] {
+      DSAKIT_CUDA_CHECK(cudaMemcpyAsync(dst.view().data, src.view().data, size_t(bytes),
+                                        cudaMemcpyDeviceToDevice, stream_));
+    });
+    c.copy_gbs = 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
+  }
+  const int n = 8192;
+  Tensor a = empty(DType::kBF16, {n, n}), b = empty(DType::kBF16, {n, n}),
+         o = empty(DType::kBF16, {n, n});
+  fill_bytes(a, 0x3C);  // bf16 0x3C3C ~ 0.0115: finite, nonzero operands
+  fill_bytes(b, 0x3C);
+  const float one = 1, zero = 0;
+  const double ms = median_ms([&] {
+    DSAKIT_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one,
+                                     a.view().data, CUDA_R_16BF, n, b.view().data, CUDA_R_16BF, n,
+                                     &zero, o.view().data, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+  });
+  c.gemm_tflops = 2.0 * n * double(n) * n / (ms * 1e-3) / 1e12;
+  c.gemm = "cuBLAS bf16 8192^3";
+  return c;
 }
 
 // ---- pool -----------------------------------------------------------------------------------

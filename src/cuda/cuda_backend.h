@@ -53,6 +53,7 @@ class CudaBackend final : public Backend {
   void fill_bytes(const TensorView& dst, uint8_t byte) override;
   void poison(const TensorView& dst) override;
   void synchronize() override;
+  Ceilings measure_ceilings() override;
 
   void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                 const TensorView& k_pe) override;

@@ -1,6 +1,7 @@
 // The layer call: validate -> store -> plan -> dense MHA or sparse MLA -> outputs.
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 
 #include "dsakit/error.h"
@@ -61,6 +62,19 @@ DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv
                    "max_workspace_bytes: expected >= 0 (0: no limit), got ",
                    options_.max_workspace_bytes);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();
+  set_policy(options_.policy);
+}
+
+void DsaAttention::set_policy(const DispatchPolicy& policy) {
+  options_.policy = policy;
+  // Read the environment's profile once; with_env() in plan() then finds it already loaded.
+  if (const char* v = std::getenv("DSAKIT_PROFILE"); v && *v && options_.policy.profile_path != v) {
+    try {
+      options_.policy = options_.policy.with_profile(v);
+    } catch (const Error& e) {
+      DSAKIT_FAIL(kInvalidArgument, "DSAKIT_PROFILE: ", e.what());
+    }
+  }
 }
 
 void check_layer_inputs(const ModelConfig& c, Device dev, const LayerInputs& in, int64_t t) {
@@ -80,6 +94,9 @@ Plan DsaAttention::plan(const Batch& batch) const {
 }
 
 int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) const {
+  DSAKIT_CHECK_ARG(path != AttentionPath::kMixed,
+                   "workspace_bytes: a mixed plan's workspace depends on its segments; pass the "
+                   "Plan");
   const auto& c = config_;
   const int64_t t = batch.num_new_tokens(), n = batch.total_kv_len(), h = c.num_heads;
   const int64_t mid = int64_t(dtype_size(backend_.capabilities().intermediate_dtype));
@@ -103,6 +120,54 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
   return bytes;
 }
 
+int64_t DsaAttention::workspace_bytes(const Batch& batch, const Plan& plan) const {
+  if (plan.path != AttentionPath::kMixed) return workspace_bytes(batch, plan.path);
+  // Segments run one after another: the largest one's intermediates, plus the whole batch's
+  // outputs and the top-k array (-1 rows for the dense segments).
+  const auto& c = config_;
+  const int64_t t = batch.num_new_tokens();
+  int64_t seg_max = 0;
+  for (const auto& s : plan.segments)
+    seg_max = std::max(seg_max, workspace_bytes(batch.slice(s.first_request, s.num_requests),
+                                                s.path));
+  return seg_max + t * c.num_heads * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) +
+         4 * t * c.num_heads + 4 * t * c.index_topk;
+}
+
+void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi, const LayerInputs& in,
+                            const TensorView& o, const TensorView& lse, const TensorView& topk,
+                            const detail::StageFn& stage) {
+  const auto& c = config_;
+  Backend& be = backend_;
+  const Tensor kv_locs = be.to_device(host_view(bi.kv_locs));
+  if (path == AttentionPath::kDenseMha) {
+    // Dense MHA re-reads every position (prefix included) through the pool format.
+    detail::dense_path(be, c, sm_scale_, kv_pool_, kv_locs, in.q_nope, in.q_pe, kv_b_proj_, bi.cu_q,
+                       bi.cu_kv, nullptr, o, lse, stage);
+    return;
+  }
+  // ---- sparse MLA: indexer -> top-k -> absorbed attention -> V up-projection --------------
+  const int64_t t = in.q_nope.shape[0], h = c.num_heads;
+  const int k = c.index_topk;
+  const DType mid = be.capabilities().intermediate_dtype;
+  const Tensor kv_start = be.to_device(host_view(bi.token_kv_start));
+  const Tensor ctx_len = be.to_device(host_view(bi.token_ctx_len));
+  IndexerArgs layout;
+  layout.keys = &index_pool_;
+  layout.kv_locs = kv_locs;
+  layout.kv_start = kv_start;
+  layout.ctx_len = ctx_len;
+  stage("indexer_topk", [&] { be.indexer_topk(in.idx_q, in.idx_w, layout, k, topk); });
+  Tensor locs = be.empty(DType::kI32, {t, k});
+  stage("topk_to_locations",
+        [&] { be.positions_to_locations(topk, kv_locs, kv_start, ctx_len, locs); });
+  Tensor q_abs = be.empty(mid, {t, h, c.kv_lora_rank});
+  stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj_, c.v_head_dim, q_abs); });
+  Tensor o_lat = be.empty(mid, {t, h, c.kv_lora_rank});
+  detail::sparse_attention(be, sm_scale_, kv_pool_, q_abs, in.q_pe, locs, o_lat, lse, stage);
+  stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj_, c.qk_nope_head_dim, o); });
+}
+
 LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
   // ---- validation: nothing is written before all of it passes ----------------------------
   LayerResult res;
@@ -110,7 +175,7 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
   const int64_t t = batch.num_new_tokens();
   check_layer_inputs(config_, backend_.device(), in, t);
   if (options_.max_workspace_bytes > 0) {
-    const int64_t need = workspace_bytes(batch, res.plan.path);
+    const int64_t need = workspace_bytes(batch, res.plan);
     DSAKIT_CHECK(need <= options_.max_workspace_bytes, kResource, "max_workspace_bytes: the ",
                  to_string(res.plan.path), " path over ", t, " new tokens and ",
                  batch.total_kv_len(), " positions needs ", need, " bytes of workspace, over the ",
@@ -118,9 +183,7 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
   }
 
   const auto& c = config_;
-  const int64_t h = c.num_heads;
   const int page_size = kv_pool_.desc().page_size;
-  const DType mid = backend_.capabilities().intermediate_dtype;
   Backend& be = backend_;
 
   const detail::StageFn stage = [&](const char* name, const std::function<void()>& fn) {
@@ -133,13 +196,12 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
     res.stages.push_back({name, std::chrono::duration<double, std::milli>(t1 - t0).count()});
   };
 
-  res.o = be.empty(options_.output_dtype, {t, h, c.v_head_dim});
-  res.lse = be.empty(DType::kF32, {t, h});
+  res.o = be.empty(options_.output_dtype, {t, c.num_heads, c.v_head_dim});
+  res.lse = be.empty(DType::kF32, {t, c.num_heads});
   if (t == 0) return res;
 
   const BatchIndex bi = BatchIndex::build(batch, page_size);
   const Tensor new_locs = be.to_device(host_view(bi.new_locs));
-  const Tensor kv_locs = be.to_device(host_view(bi.kv_locs));
 
   // ---- store the new tokens ---------------------------------------------------------------
   stage("store", [&] {
@@ -147,32 +209,34 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
     be.store_index_keys(index_pool_, new_locs, in.idx_k);
   });
 
-  if (res.plan.path == AttentionPath::kDenseMha) {
-    // Dense MHA re-reads every position (prefix included) through the pool format.
-    detail::dense_path(be, c, sm_scale_, kv_pool_, kv_locs, in.q_nope, in.q_pe, kv_b_proj_, bi.cu_q,
-                       bi.cu_kv, nullptr, res.o, res.lse, stage);
+  const bool any_sparse =
+      std::any_of(res.plan.segments.begin(), res.plan.segments.end(),
+                  [](const PlanSegment& s) { return s.path == AttentionPath::kSparseMla; });
+  if (any_sparse) res.topk = be.empty(DType::kI32, {t, c.index_topk});
+  if (res.plan.path != AttentionPath::kMixed) {
+    run_path(res.plan.path, bi, in, res.o, res.lse, res.topk, stage);
     return res;
   }
-
-  // ---- sparse MLA: indexer -> top-k -> absorbed attention -> V up-projection --------------
-  const int k = c.index_topk;
-  const Tensor kv_start = be.to_device(host_view(bi.token_kv_start));
-  const Tensor ctx_len = be.to_device(host_view(bi.token_ctx_len));
-  IndexerArgs layout;
-  layout.keys = &index_pool_;
-  layout.kv_locs = kv_locs;
-  layout.kv_start = kv_start;
-  layout.ctx_len = ctx_len;
-  res.topk = be.empty(DType::kI32, {t, k});
-  stage("indexer_topk", [&] { be.indexer_topk(in.idx_q, in.idx_w, layout, k, res.topk); });
-  Tensor locs = be.empty(DType::kI32, {t, k});
-  stage("topk_to_locations",
-        [&] { be.positions_to_locations(res.topk, kv_locs, kv_start, ctx_len, locs); });
-  Tensor q_abs = be.empty(mid, {t, h, c.kv_lora_rank});
-  stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj_, c.v_head_dim, q_abs); });
-  Tensor o_lat = be.empty(mid, {t, h, c.kv_lora_rank});
-  detail::sparse_attention(be, sm_scale_, kv_pool_, q_abs, in.q_pe, locs, o_lat, res.lse, stage);
-  stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj_, c.qk_nope_head_dim, res.o); });
+  // ---- mixed: each run of requests through its own path over its rows of the batch --------
+  be.fill_bytes(res.topk, 0xFF);  // -1: dense rows select nothing
+  for (const PlanSegment& s : res.plan.segments) {
+    const Batch sub = batch.slice(s.first_request, s.num_requests);
+    const int64_t r0 = bi.cu_q[size_t(s.first_request)],
+                  r1 = bi.cu_q[size_t(s.first_request + s.num_requests)];
+    if (r0 == r1) continue;
+    LayerInputs rows;
+    rows.q_nope = slice_rows(in.q_nope, r0, r1);
+    rows.q_pe = slice_rows(in.q_pe, r0, r1);
+    rows.c_kv = slice_rows(in.c_kv, r0, r1);
+    rows.k_pe = slice_rows(in.k_pe, r0, r1);
+    rows.idx_q = slice_rows(in.idx_q, r0, r1);
+    rows.idx_k = slice_rows(in.idx_k, r0, r1);
+    rows.idx_w = slice_rows(in.idx_w, r0, r1);
+    run_path(s.path, BatchIndex::build(sub, page_size), rows, slice_rows(res.o, r0, r1),
+             slice_rows(res.lse, r0, r1),
+             s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{},
+             stage);
+  }
   return res;
 }
 

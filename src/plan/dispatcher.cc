@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 
@@ -12,7 +13,21 @@
 namespace dsakit {
 
 const char* to_string(AttentionPath path) {
-  return path == AttentionPath::kDenseMha ? "dense_mha" : "sparse_mla";
+  switch (path) {
+    case AttentionPath::kDenseMha:
+      return "dense_mha";
+    case AttentionPath::kSparseMla:
+      return "sparse_mla";
+    case AttentionPath::kMixed:
+      return "mixed";
+  }
+  return "?";
+}
+
+AttentionPath Plan::path_of(int request) const {
+  for (const auto& s : segments)
+    if (request >= s.first_request && request < s.first_request + s.num_requests) return s.path;
+  return path;
 }
 
 const char* to_string(DispatchMode mode) {
@@ -58,6 +73,23 @@ DispatchPolicy DispatchPolicy::with_env() const {
     p.threshold = n;
     p.overrides.push_back(std::string("DSAKIT_DENSE_KV_LEN_THRESHOLD=") + v);
   }
+  if (const char* v = std::getenv("DSAKIT_PROFILE"); v && *v) {
+    if (p.profile_path != v) {
+      try {
+        p = p.with_profile(v);
+      } catch (const Error& e) {
+        DSAKIT_FAIL(kInvalidArgument, "DSAKIT_PROFILE: ", e.what());
+      }
+    }
+    p.overrides.push_back(std::string("DSAKIT_PROFILE=") + v);
+  }
+  return p;
+}
+
+DispatchPolicy DispatchPolicy::with_profile(const std::string& path) const {
+  DispatchPolicy p = *this;
+  p.profile = std::make_shared<const CostProfile>(CostProfile::load(path));
+  p.profile_path = path;
   return p;
 }
 
@@ -124,6 +156,110 @@ RuleCheck check_rules(const Batch& b, const ModelConfig& c, KvLayout layout,
   return {0, os.str()};
 }
 
+
+std::string fmt_ms(double ms) {
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(ms < 1 ? 3 : 2);
+  os << ms << " ms";
+  return os.str();
+}
+
+// Cost mode with a profile: the engine-state rules (1-3, 5, 7, 8) still decide whether dense is
+// possible at all; among the exact choices (requests with L_r <= threshold, dense runs within
+// the chunk capacity) the cheapest predicted plan wins: the whole batch dense, the whole batch
+// sparse, or runs of requests each on its cheaper path.
+Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const Capabilities& caps,
+                  const DispatchPolicy& policy, int64_t threshold) {
+  const CostEntry& entry = policy.profile->find(CostKey::of(caps.device_name, c, layout));
+  Plan plan;
+  plan.mode = DispatchMode::kCost;
+  const int n = b.num_requests();
+  auto cost = [&](AttentionPath p, int first, int count) {
+    return entry.predict_ms(p, CostFeatures::of(b, c, first, count));
+  };
+  plan.predicted_sparse_ms = cost(AttentionPath::kSparseMla, 0, n);
+  std::ostringstream os;
+  os << "cost mode: ";
+  const RuleCheck state = check_rules(b, c, layout, caps, INT64_MAX, INT64_MAX);
+  if (state.rule != 0) {
+    plan.rule = state.rule;
+    plan.path = AttentionPath::kSparseMla;
+    plan.predicted_ms = plan.predicted_sparse_ms;
+    os << "sparse MLA: " << state.why;
+    plan.reason = os.str();
+    return plan;
+  }
+  auto len = [&](int r) { return int64_t(b.prefix_lens[size_t(r)]) + b.extend_lens[size_t(r)]; };
+  auto dense_ok = [&](int first, int count) {
+    int64_t total = 0;
+    for (int r = first; r < first + count; ++r) {
+      if (len(r) > threshold) return false;
+      total += len(r);
+    }
+    return total <= policy.chunk_capacity;
+  };
+  if (dense_ok(0, n)) plan.predicted_dense_ms = cost(AttentionPath::kDenseMha, 0, n);
+
+  // Runs: each request on its cheaper allowed path alone, consecutive equal paths merged.
+  std::vector<PlanSegment> runs;
+  double runs_ms = 0;
+  if (policy.allow_split && n > 1) {
+    for (int r = 0; r < n; ++r) {
+      AttentionPath p = AttentionPath::kSparseMla;
+      if (len(r) <= threshold &&
+          cost(AttentionPath::kDenseMha, r, 1) < cost(AttentionPath::kSparseMla, r, 1))
+        p = AttentionPath::kDenseMha;
+      if (!runs.empty() && runs.back().path == p)
+        ++runs.back().num_requests;
+      else
+        runs.push_back({r, 1, p});
+    }
+    for (const auto& s : runs) {
+      if (s.path == AttentionPath::kDenseMha && !dense_ok(s.first_request, s.num_requests)) {
+        runs.clear();  // a dense run over the chunk capacity: no split
+        break;
+      }
+      runs_ms += cost(s.path, s.first_request, s.num_requests);
+    }
+    if (runs.size() < 2) runs.clear();
+  }
+
+  const bool dense = plan.predicted_dense_ms >= 0 &&
+                     plan.predicted_dense_ms <= plan.predicted_sparse_ms;
+  const double whole = dense ? plan.predicted_dense_ms : plan.predicted_sparse_ms;
+  if (!runs.empty() && runs_ms < whole) {
+    plan.path = AttentionPath::kMixed;
+    plan.segments = runs;
+    plan.predicted_ms = runs_ms;
+    os << "split into " << runs.size() << " runs (";
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const auto& s = runs[i];
+      os << (i ? ", " : "") << (s.path == AttentionPath::kDenseMha ? "dense" : "sparse") << " r"
+         << s.first_request;
+      if (s.num_requests > 1) os << "-" << s.first_request + s.num_requests - 1;
+    }
+    os << ") predicted " << fmt_ms(runs_ms) << " < whole batch ";
+  } else {
+    plan.path = dense ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
+    plan.predicted_ms = whole;
+    os << (dense ? "dense MHA" : "sparse MLA") << " predicted ";
+  }
+  os << "dense " << (plan.predicted_dense_ms >= 0 ? fmt_ms(plan.predicted_dense_ms) : "not exact")
+     << ", sparse " << fmt_ms(plan.predicted_sparse_ms);
+  if (plan.predicted_dense_ms < 0) {
+    const int32_t max_len = b.max_kv_len();
+    if (max_len > threshold)
+      os << " (max L_r = " << max_len << " > " << threshold << ")";
+    else
+      os << " (sum L_r = " << b.total_kv_len() << " > chunk capacity " << policy.chunk_capacity
+         << ")";
+  }
+  os << "; profile " << entry.key.device << " " << entry.key.model << " H=" << entry.key.heads
+     << " " << entry.key.layout;
+  plan.reason = os.str();
+  return plan;
+}
 }  // namespace
 
 Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
@@ -159,6 +295,12 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
       break;
     }
     case DispatchMode::kCost:
+      if (policy.profile) {
+        plan = plan_by_cost(batch, config, layout, caps, policy, threshold);
+        os << plan.reason;
+        break;
+      }
+      [[fallthrough]];
     case DispatchMode::kRule: {
       const RuleCheck c =
           check_rules(batch, config, layout, caps, threshold, policy.chunk_capacity);
@@ -170,7 +312,12 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
       break;
     }
   }
-  plan.approximate = plan.path == AttentionPath::kDenseMha && max_len > k;
+  if (plan.segments.empty()) plan.segments.push_back({0, batch.num_requests(), plan.path});
+  plan.approximate = false;
+  for (const auto& seg : plan.segments)
+    if (seg.path == AttentionPath::kDenseMha)
+      for (int r = seg.first_request; r < seg.first_request + seg.num_requests; ++r)
+        plan.approximate |= batch.prefix_lens[size_t(r)] + batch.extend_lens[size_t(r)] > k;
   if (plan.approximate)
     os << " (APPROXIMATE: contexts longer than index_topk " << k << ", opted in)";
   plan.reason = os.str() + suffix(policy);

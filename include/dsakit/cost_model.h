@@ -1,0 +1,118 @@
+// The cost model behind cost-mode dispatch (DESIGN.md §5): per-device predictions of the whole
+// layer call's time through each path, fitted by `dsakit calibrate` and stored as a JSON profile
+// keyed by device name, model dimensions and pool layout.
+//
+// A prediction is a sum of terms, each a coefficient (ms) times a feature of the (sub-)batch:
+//   1      one layer call                 R      requests
+//   T      new tokens Σ E_r               N      positions Σ L_r (prefix + extend)
+//   C*Hi   indexer work Σ_t ctx_t · H_i   K*H    sparse attention Σ_t min(ctx_t, k) · H
+//   C*H    dense attention Σ_t ctx_t · H  N*H    K/V up-projection Σ L_r · H
+//   T*H    query-side projections
+// where ctx_t = P_r + i + 1 is what new token t of request r attends to and H the heads per rank.
+// Each path's total uses a fixed set of terms; coefficients are fitted by non-negative least
+// squares on relative error, so the model cannot predict a negative time.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsakit/batch.h"
+#include "dsakit/config.h"
+#include "dsakit/pool.h"
+
+namespace dsakit {
+
+enum class AttentionPath : uint8_t;
+
+// Bump when a profile's meaning changes (terms, units) or when kernels change speed enough that
+// old profiles would mislead: profiles with another value are refused as stale.
+inline constexpr int kCostProfileFormat = 1;
+inline constexpr int kCostKernelRevision = 1;
+
+// Features of requests [first, first + count) of a batch (see the table above).
+struct CostFeatures {
+  double calls = 1, requests = 0, tokens = 0, positions = 0;
+  double ctx = 0;       // Σ_t ctx_t
+  double ctx_topk = 0;  // Σ_t min(ctx_t, index_topk)
+  double heads = 0, index_heads = 0;
+
+  static CostFeatures of(const Batch& batch, const ModelConfig& config, int first = 0,
+                         int count = -1);
+  double term(const std::string& name) const;  // "1", "R", "T", "N", "C*Hi", "K*H", ...
+};
+
+// A fitted linear model: ms = Σ coef[i] · term(names[i]).
+struct CostTerms {
+  std::vector<std::string> names;
+  std::vector<double> coef_ms;
+  double max_rel_error = 0;  // over the calibration samples
+  double predict_ms(const CostFeatures& f) const;
+};
+
+// The terms each path's total (and each stage) is fitted with.
+const std::vector<std::string>& cost_terms(AttentionPath path);
+const std::vector<std::string>& cost_stage_terms(const std::string& stage);
+
+// The profile key: what a measurement depends on.
+struct CostKey {
+  std::string device;  // Capabilities::device_name, e.g. "NVIDIA H200", "cpu (2 threads)"
+  std::string model;   // config name (informational; matching uses the dimensions)
+  int heads = 0, d_nope = 0, d_rope = 0, d_v = 0, d_c = 0, index_heads = 0, index_dim = 0,
+      index_topk = 0;
+  std::string layout;  // "bf16" | "fp8" | "fp8-raw"
+
+  static CostKey of(const std::string& device, const ModelConfig& config, KvLayout layout);
+  bool matches(const CostKey& other) const;  // all but `model`
+  std::string describe() const;  // "NVIDIA H200, deepseek-v3.2 H=128 (128/64/128, ...), fp8"
+};
+
+struct CostEntry {
+  CostKey key;
+  CostTerms dense, sparse;                     // whole layer call through each path
+  std::map<std::string, CostTerms> stages;     // per-stage fits (reported, not used to decide)
+  int samples = 0;
+  std::string created;  // ISO date of the calibration
+
+  double predict_ms(AttentionPath path, const CostFeatures& f) const;
+};
+
+// A profile file: entries for any number of (device, model, layout) keys.
+struct CostProfile {
+  int format = kCostProfileFormat;
+  int kernel_revision = kCostKernelRevision;
+  std::vector<CostEntry> entries;
+  std::string source;  // file it was read from ("" when built in memory)
+
+  // Reads and validates a profile; throws Error(kInvalidArgument) naming the file for a missing,
+  // malformed, stale (other format or kernel revision) profile.
+  static CostProfile load(const std::string& path);
+  void save(const std::string& path) const;  // atomic (write + rename)
+  std::string to_json() const;
+  static CostProfile from_json(const std::string& text, const std::string& source);
+
+  // The entry for `key`; throws Error(kInvalidArgument) listing the keys the profile holds.
+  const CostEntry& find(const CostKey& key) const;
+  // Adds `entry`, replacing one with the same key.
+  void put(CostEntry entry);
+};
+
+// One calibration measurement: a batch's features, which path, the whole-call time and the
+// per-stage times (stage timing synchronizes around stages, so the stages do not sum to ms).
+struct CostSample {
+  AttentionPath path;
+  CostFeatures features;
+  double ms = 0;
+  std::map<std::string, double> stage_ms;
+};
+
+// Fits `terms` to (features, ms) pairs by non-negative least squares on relative error.
+CostTerms fit_cost_terms(const std::vector<std::string>& terms,
+                         const std::vector<CostFeatures>& features, const std::vector<double>& ms);
+
+// Fits both paths' totals and every stage seen in `samples`.
+CostEntry fit_cost_entry(const CostKey& key, const std::vector<CostSample>& samples);
+
+}  // namespace dsakit

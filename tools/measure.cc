@@ -1,0 +1,273 @@
+#include "tools/measure.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include "dsakit/driver.h"
+#include "dsakit/error.h"
+#include "dsakit/formats.h"
+#include "tools/cli_common.h"
+
+namespace dsakit::cli {
+
+std::string BenchShape::label() const {
+  if (kind == "fresh" && extend.size() == 1) return "T=" + std::to_string(extend[0]);
+  if (kind == "prefix" && extend.size() == 1)
+    return "P=" + std::to_string(prefix[0]) + " E=" + std::to_string(extend[0]);
+  std::string s = "[";
+  for (size_t r = 0; r < extend.size(); ++r) {
+    if (r) s += ",";
+    s += prefix[r] ? std::to_string(prefix[r]) + "+" + std::to_string(extend[r])
+                   : std::to_string(extend[r]);
+  }
+  return s + "]";
+}
+
+int64_t BenchShape::tokens() const {
+  return std::accumulate(extend.begin(), extend.end(), int64_t(0));
+}
+
+int64_t BenchShape::max_len() const {
+  int64_t m = 0;
+  for (size_t r = 0; r < extend.size(); ++r) m = std::max(m, int64_t(prefix[r]) + extend[r]);
+  return m;
+}
+
+double layer_flops(const ModelConfig& c, AttentionPath path, const CostFeatures& f) {
+  const double h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
+               dv = c.v_head_dim, dc = c.kv_lora_rank;
+  if (path == AttentionPath::kDenseMha)
+    return 2 * h * f.ctx * (dn + dr + dv) + 2 * f.positions * h * dc * (dn + dv);
+  return 2 * h * f.ctx_topk * (dc + dr + dc) +
+         2.0 * c.index_n_heads * c.index_head_dim * f.ctx + 2 * f.tokens * h * dn * dc +
+         2 * f.tokens * h * dc * dv;
+}
+
+double plan_flops(const ModelConfig& c, const Batch& b, const Plan& plan) {
+  double flops = 0;
+  for (const auto& s : plan.segments)
+    flops += layer_flops(c, s.path, CostFeatures::of(b, c, s.first_request, s.num_requests));
+  return flops;
+}
+
+namespace {
+
+uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [-scale, scale), never all zeros; counter-based so threads fill it in parallel.
+Tensor random_host(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) {
+  Tensor t = Tensor::host(dtype, shape);
+  const int64_t n = t.numel();
+  const uint64_t base = splitmix64(seed);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t z = splitmix64(base + uint64_t(i));
+    const float u = float(int32_t(uint32_t(z >> 32))) * (scale / 2147483648.0f);
+    if (dtype == DType::kBF16)
+      t.ptr<bf16_t>()[i] = f32_to_bf16(u);
+    else
+      t.ptr<float>()[i] = u;
+  }
+  return t;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+struct LayerBench::State {
+  struct Set {
+    Set(PagedKvPool kv_pool, IndexKeyPool index_pool)
+        : kv(std::move(kv_pool)), ix(std::move(index_pool)) {}
+    PagedKvPool kv;
+    IndexKeyPool ix;
+    Tensor q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w;
+    std::unique_ptr<DsaAttention> layer, staged;
+    LayerInputs view() const {
+      return {q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w};
+    }
+  };
+  BenchShape shape;
+  Batch batch;
+  Tensor w;
+  std::vector<std::unique_ptr<Set>> sets;
+};
+
+LayerBench::LayerBench(Backend& backend, ModelConfig config, KvLayout layout, uint64_t seed)
+    : be_(backend), config_(std::move(config)), layout_(layout), seed_(seed) {
+  config_.validate();
+}
+
+LayerBench::~LayerBench() = default;
+
+const Batch& LayerBench::batch() const {
+  DSAKIT_CHECK(state_ != nullptr, kInternal, "LayerBench: prepare() a shape first");
+  return state_->batch;
+}
+
+void LayerBench::prepare(const BenchShape& shape) {
+  DSAKIT_CHECK_ARG(!shape.extend.empty() && shape.prefix.size() == shape.extend.size(),
+                   "bench shape: expected one prefix per request");
+  state_.reset();  // free the previous shape's memory first
+  auto st = std::make_unique<State>();
+  const auto& c = config_;
+  const int page = 64;
+  const int64_t h = c.num_heads, t = shape.tokens();
+  std::vector<int32_t> lengths;
+  int64_t pages = 1, prefix_total = 0;
+  for (size_t r = 0; r < shape.extend.size(); ++r) {
+    DSAKIT_CHECK_ARG(shape.prefix[r] >= 0 && shape.extend[r] >= 1, "bench shape ", shape.label(),
+                     ": prefixes must be >= 0 and extends >= 1");
+    lengths.push_back(shape.prefix[r] + shape.extend[r]);
+    pages += (lengths.back() + page - 1) / page;
+    prefix_total += shape.prefix[r];
+  }
+  st->shape = shape;
+  st->batch.prefix_lens = shape.prefix;
+  st->batch.extend_lens = shape.extend;
+  st->batch.page_tables = allocate_pages(lengths, page, pages, seed_ + 1);
+  st->w = be_.to_device(random_host(
+      DType::kBF16, {h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, seed_ + 2, 0.08f));
+
+  KvPoolDesc kd;
+  kd.layout = layout_;
+  kd.page_size = page;
+  kd.num_pages = pages;
+  kd.d_c = c.kv_lora_rank;
+  kd.d_rope = c.qk_rope_head_dim;
+  const int64_t row_bytes =
+      2 * (h * (c.qk_nope_head_dim + c.qk_rope_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim +
+           int64_t(c.index_n_heads) * c.index_head_dim + c.index_head_dim) +
+      4 * c.index_n_heads;
+  const int64_t set_bytes = t * row_bytes + pages * page * (kd.bytes_per_token() + 132);
+  const int nsets = set_bytes < (int64_t(1) << 30) ? 3 : 1;
+
+  // Locations of the cached prefixes, stored once per set.
+  std::vector<int32_t> prefix_locs;
+  for (size_t r = 0; r < shape.extend.size(); ++r)
+    for (int32_t p = 0; p < shape.prefix[r]; ++p)
+      prefix_locs.push_back(int32_t(location_of(st->batch.page_tables[r], page, p)));
+
+  for (int s = 0; s < nsets; ++s) {
+    const uint64_t seed = seed_ + 100 * uint64_t(s + 1);
+    auto set = std::make_unique<State::Set>(be_.make_kv_pool(kd),
+                                            be_.make_index_pool({page, pages, c.index_head_dim}));
+    auto dev = [&](DType dt, std::vector<int64_t> shape_, uint64_t k, float scale = 1.0f) {
+      return be_.to_device(random_host(dt, shape_, seed + k, scale));
+    };
+    set->q_nope = dev(DType::kBF16, {t, h, c.qk_nope_head_dim}, 1);
+    set->q_pe = dev(DType::kBF16, {t, h, c.qk_rope_head_dim}, 2);
+    set->c_kv = dev(DType::kBF16, {t, c.kv_lora_rank}, 3);
+    set->k_pe = dev(DType::kBF16, {t, c.qk_rope_head_dim}, 4);
+    set->idx_q = dev(DType::kBF16, {t, c.index_n_heads, c.index_head_dim}, 5);
+    set->idx_k = dev(DType::kBF16, {t, c.index_head_dim}, 6);
+    set->idx_w = dev(DType::kF32, {t, c.index_n_heads}, 7);
+    if (prefix_total > 0) {
+      const Tensor locs = be_.to_device(make_view(prefix_locs.data(), DType::kI32, Device::kCpu,
+                                                  {prefix_total}));
+      be_.store_kv(set->kv, locs, dev(DType::kBF16, {prefix_total, c.kv_lora_rank}, 8),
+                   dev(DType::kBF16, {prefix_total, c.qk_rope_head_dim}, 9));
+      be_.store_index_keys(set->ix, locs, dev(DType::kBF16, {prefix_total, c.index_head_dim}, 10));
+    }
+    LayerOptions o;
+    set->layer = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
+    o.time_stages = true;
+    set->staged = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
+    st->sets.push_back(std::move(set));
+  }
+  be_.synchronize();
+  state_ = std::move(st);
+}
+
+std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& policies, int runs,
+                                           int min_runs, double budget_ms, bool stages,
+                                           const std::atomic<bool>* stop) {
+  DSAKIT_CHECK(state_ != nullptr, kInternal, "LayerBench: prepare() a shape first");
+  using clock = std::chrono::steady_clock;
+  auto& sets = state_->sets;
+  const Batch& b = state_->batch;
+  const size_t np = policies.size();
+  std::vector<PolicyTiming> out(np);
+  std::vector<std::vector<double>> ms(np);
+  auto stopped = [&] { return stop && stop->load(); };
+
+  auto call = [&](size_t p, int round, bool staged) {
+    auto& set = *sets[size_t(round) % sets.size()];
+    DsaAttention& layer = staged ? *set.staged : *set.layer;
+    layer.set_policy(policies[p]);
+    be_.synchronize();
+    const auto t0 = clock::now();
+    LayerResult res = layer.forward(b, set.view());
+    be_.synchronize();
+    const double elapsed = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+    out[p].plan = res.plan;
+    if (staged) {
+      std::map<std::string, double> sum;
+      for (const auto& s : res.stages) sum[s.stage] += s.ms;
+      return std::make_pair(elapsed, sum);
+    }
+    return std::make_pair(elapsed, std::map<std::string, double>{});
+  };
+
+  // One warm-up round (allocator caches, cuBLAS heuristics, first-touch pages).
+  for (size_t p = 0; p < np && !stopped(); ++p) call(p, 0, false);
+  const auto start = clock::now();
+  int round = 0;
+  while (!stopped()) {
+    for (size_t p = 0; p < np; ++p) ms[p].push_back(call(p, round, false).first);
+    ++round;
+    const double spent = std::chrono::duration<double, std::milli>(clock::now() - start).count();
+    if (round >= runs || (round >= min_runs && spent >= budget_ms)) break;
+  }
+  for (size_t p = 0; p < np; ++p) {
+    out[p].ms = median(ms[p]);
+    out[p].runs = int(ms[p].size());
+  }
+  if (stages) {
+    const int srounds = std::clamp(round / 3, 1, 5);
+    std::vector<std::map<std::string, std::vector<double>>> per(np);
+    for (int r = 0; r < srounds && !stopped(); ++r)
+      for (size_t p = 0; p < np; ++p)
+        for (const auto& [name, v] : call(p, r, true).second) per[p][name].push_back(v);
+    for (size_t p = 0; p < np; ++p)
+      for (const auto& [name, v] : per[p]) out[p].stages[name] = median(v);
+  }
+  return out;
+}
+
+std::vector<ModelConfig> parse_model_list(const std::string& text) {
+  std::vector<ModelConfig> out;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, comma - pos);
+    DSAKIT_CHECK_ARG(!item.empty(), "--models: empty entry in '", text,
+                     "' (expected e.g. deepseek-v3.2:8,glm-5:4)");
+    std::string name = item;
+    int tp = 1;
+    if (const size_t colon = item.rfind(':'); colon != std::string::npos) {
+      const std::string digits = item.substr(colon + 1);
+      DSAKIT_CHECK_ARG(!digits.empty() && digits.size() <= 4 &&
+                           std::all_of(digits.begin(), digits.end(),
+                                       [](char ch) { return ch >= '0' && ch <= '9'; }),
+                       "--models: '", item, "': expected NAME or NAME:TP with TP a number");
+      tp = std::stoi(digits);
+      name = item.substr(0, colon);
+    }
+    out.push_back(load_model(name, tp));
+    pos = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace dsakit::cli

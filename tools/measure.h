@@ -1,0 +1,78 @@
+// Whole-layer timing shared by `dsakit bench` and `dsakit calibrate`: a shape (requests with a
+// cached prefix and new tokens), its pools and random inputs on a backend, and the median time
+// of one DsaAttention::forward per dispatch policy, the policies interleaved round by round so
+// drift hits them alike.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsakit/backend.h"
+#include "dsakit/config.h"
+#include "dsakit/cost_model.h"
+#include "dsakit/layer.h"
+#include "dsakit/plan.h"
+
+namespace dsakit::cli {
+
+// A batch to time: request r has prefix[r] cached positions (stored before timing, re-read by
+// every call) and extend[r] new tokens (stored by every call at the same locations).
+struct BenchShape {
+  std::string kind;  // "fresh" | "prefix" | "mixed"
+  std::vector<int32_t> prefix, extend;
+
+  std::string label() const;  // "T=1024", "P=1984 E=64", "[P+E, ...]"
+  int64_t tokens() const;
+  int64_t max_len() const;
+};
+
+// One policy's result on a shape.
+struct PolicyTiming {
+  double ms = 0;                          // median wall time of forward() incl. synchronize
+  int runs = 0;                           // timed calls behind the median
+  Plan plan;                              // the plan the calls took
+  std::map<std::string, double> stages;   // median per-stage ms (same-named stages summed)
+};
+
+// FLOPs of one call through `path` over a batch with these features (DESIGN.md §10 counts:
+// attention, indexer and projections; a mixed plan sums its segments).
+double layer_flops(const ModelConfig& config, AttentionPath path, const CostFeatures& f);
+double plan_flops(const ModelConfig& config, const Batch& batch, const Plan& plan);
+
+class LayerBench {
+ public:
+  LayerBench(Backend& backend, ModelConfig config, KvLayout layout, uint64_t seed);
+  ~LayerBench();
+
+  const ModelConfig& config() const { return config_; }
+  KvLayout layout() const { return layout_; }
+
+  // Allocates pools and random inputs for `shape` (up to 3 rotated sets while one set stays
+  // under 1 GiB, else 1) and stores the cached prefixes. Replaces the previous shape.
+  void prepare(const BenchShape& shape);
+  const Batch& batch() const;
+
+  // Times each policy: `warmup` untimed rounds, then rounds until `runs` timed calls each or
+  // `budget_ms` of wall time is spent (at least `min_runs`), then (if `stages`) a few rounds
+  // with per-stage timing. Stops early, with what it has, when *stop becomes true.
+  std::vector<PolicyTiming> time(const std::vector<DispatchPolicy>& policies, int runs,
+                                 int min_runs, double budget_ms, bool stages,
+                                 const std::atomic<bool>* stop = nullptr);
+
+ private:
+  struct State;
+  Backend& be_;
+  ModelConfig config_;
+  KvLayout layout_;
+  uint64_t seed_;
+  std::unique_ptr<State> state_;
+};
+
+// Parses "deepseek-v3.2:8,glm-5:4" (preset or config.json path, optional ":tp", default 1).
+std::vector<ModelConfig> parse_model_list(const std::string& text);
+
+}  // namespace dsakit::cli
