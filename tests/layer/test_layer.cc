@@ -6,6 +6,7 @@
 #include <limits>
 #include <memory>
 
+#include "dsakit/cost_model.h"
 #include "dsakit/dcp.h"
 #include "dsakit/driver.h"
 #include "dsakit/error.h"
@@ -191,6 +192,61 @@ TEST_P(LayerTest, ChunkedEqualsOneShot) {
         const int32_t pos = int32_t(row < len[0] ? row : row - len[0]);
         if (pos + 1 <= c.index_topk) continue;  // only rows the sparse path computed in both runs
         ASSERT_EQ(a.topk.ptr<int32_t>()[i], b.topk.ptr<int32_t>()[i]) << "row " << row;
+      }
+    }
+  }
+}
+
+// Cost mode may split a batch into runs of requests on different paths (§5): each run computes
+// exactly what the whole batch through one path would, dense rows carry no top-k, sparse rows do.
+TEST_P(LayerTest, CostModeSplitPlanMatchesAWholeBatchPath) {
+  for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled}) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(::testing::Message() << to_string(layout) << " seed " << seed);
+    const ModelConfig c = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+    // r0 and r2 fresh, r1 a short extend on a cached prefix: a profile where dense pays per
+    // position re-read and sparse per new token splits it dense | sparse | dense.
+    const std::vector<int32_t> len = {120, 300, 90}, prefix = {0, 280, 0};
+    Harness cost(c, GetParam(), layout, 16, len, seed, DispatchMode::kCost);
+    Harness dense(c, GetParam(), layout, 16, len, seed, DispatchMode::kDense);
+    auto profile = std::make_shared<CostProfile>();
+    CostEntry e;
+    e.key = CostKey::of(cost.be->capabilities().device_name, c, layout);
+    auto terms = [](AttentionPath path, const std::string& name, double per) {
+      CostTerms t;
+      t.names = cost_terms(path);
+      for (const auto& n : t.names) t.coef_ms.push_back(n == name ? per : n == "1" ? 0.1 : 0.0);
+      return t;
+    };
+    e.dense = terms(AttentionPath::kDenseMha, "N", 1e-3);
+    e.sparse = terms(AttentionPath::kSparseMla, "T", 4e-3);
+    profile->entries.push_back(e);
+    DispatchPolicy pol;
+    pol.mode = DispatchMode::kCost;
+    pol.profile = profile;
+    cost.layer->set_policy(pol);
+    // The prefix of r1 goes in first (a dense call), then the batch.
+    const RunSchedule warm{cost.zeros(), prefix, 0, ForwardMode::kExtend};
+    const RunSchedule rest{prefix, len, 0, ForwardMode::kExtend};
+    const RunOutputs a = cost.run({warm, rest}), b = dense.run({warm, rest});
+    const StepRecord& step = a.steps.back();
+    ASSERT_EQ(step.plan.path, AttentionPath::kMixed) << step.plan.reason;
+    ASSERT_EQ(step.plan.segments.size(), 3u) << step.plan.reason;
+    EXPECT_EQ(step.plan.path_of(1), AttentionPath::kSparseMla);
+    const Diff d = compare(a, b, both(a, b));
+    EXPECT_EQ(d.rows, 120 + 300 + 90);
+    EXPECT_LE(d.o_rel, tol_f32(cost));
+    EXPECT_LE(d.lse_abs, tol_lse_across_paths(cost));
+    // Top-k rows: the sparse run's select every visible position (context <= index_topk),
+    // the dense runs' hold -1.
+    const int k = c.index_topk;
+    for (int64_t row : step.rows) {
+      const int32_t* t = a.topk.ptr<int32_t>() + row * k;
+      const bool in_r1 = row >= len[0] && row < len[0] + len[1];
+      const int64_t ctx = in_r1 ? row - len[0] + 1 : 0;
+      for (int j = 0; j < k; ++j) {
+        const int32_t want = in_r1 && j < ctx ? j : -1;
+        ASSERT_EQ(t[j], want) << "row " << row << " slot " << j;
       }
     }
   }
