@@ -1,0 +1,158 @@
+"""`dsakit bench` and `dsakit calibrate` on the CPU backend: JSON contents, profiles that cost
+mode reads (and refuses when stale or mismatched), Ctrl-C leaving valid partial JSON, bad flags."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+QUICK = ["--device", "cpu", "--threads", "2", "--models", "deepseek-v3.2:8", "--kv", "bf16"]
+FAST = ["--runs", "3", "--min-runs", "1", "--budget-ms", "20"]
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory, dsakit):
+    """A CPU profile for deepseek-v3.2 tp8, bf16 pool (calibrated once for the module)."""
+    path = tmp_path_factory.mktemp("calib") / "cpu.json"
+    p = subprocess.run([str(dsakit), "calibrate", *QUICK, "--runs", "3", "--budget-ms", "5",
+                        "--quiet", "--out", str(path)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    return path
+
+
+def test_bench_quick_grid_json(run, tmp_path):
+    out = tmp_path / "b.json"
+    p = run("bench", *QUICK, "--grid", "quick", *FAST, "--json", out, "--quiet")
+    assert p.returncode == 0, p.stderr
+    doc = load(out)
+    assert doc["format"] == "dsakit-bench" and doc["complete"] is True
+    assert doc["ceilings"]["copy_gbs"] > 0 and doc["ceilings"]["gemm_tflops"] > 0
+    rows = doc["rows"]
+    assert [r["label"] for r in rows] == ["T=128", "T=512", "P=384 E=1", "P=384 E=64",
+                                          "[256,448+64]"]
+    for r in rows:
+        m = r["modes"]
+        assert set(m) == {"dense", "sparse", "rule", "cost"}  # every shape is exact here
+        assert m["dense"]["path"] == "dense_mha" and m["sparse"]["path"] == "sparse_mla"
+        assert "fell back to rule mode" in m["cost"]["reason"]
+        assert m["cost"]["path"] == m["rule"]["path"]
+        for mode in m.values():
+            assert mode["ms"] > 0 and mode["runs"] >= 1 and mode["flops"] > 0
+        assert r["oracle_ms"] == min(m["dense"]["ms"], m["sparse"]["ms"])
+        assert r["speedup_rule_vs_sparse"] == pytest.approx(m["sparse"]["ms"] / m["rule"]["ms"])
+        assert "store" in m["sparse"]["stages"] and "dense_mha" in m["dense"]["stages"]
+    assert "deepseek-v3.2 H=16 bf16" in doc["summary"]
+    assert "summary" in p.stdout and "T=512" in p.stdout
+
+
+def test_calibrated_profile_drives_cost_mode(run, profile, tmp_path):
+    doc = load(profile)
+    assert doc["format"] == "dsakit-cost-profile"
+    (entry,) = doc["entries"]
+    assert entry["key"]["heads"] == 16 and entry["key"]["layout"] == "bf16"
+    assert entry["key"]["device"].startswith("cpu (")
+    assert entry["samples"] >= 20
+    assert set(entry["dense"]["coef_ms"]) >= {"1", "N", "C*H"}
+    assert all(v >= 0 for v in entry["sparse"]["coef_ms"].values())
+    # plan and bench read it; predictions show up in the reason and the JSON.
+    p = run("plan", "--device", "cpu", "--model", "deepseek-v3.2", "--tp", "8", "--kv", "bf16",
+            "--dispatch", "cost", "--profile", profile, "--prompts", "1000", "--json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert plan["mode"] == "cost" and plan["predicted_ms"]["plan"] > 0
+    assert "predicted" in plan["reason"]
+    out = tmp_path / "b.json"
+    p = run("bench", *QUICK, "--grid", "quick", *FAST, "--no-stages", "--profile", profile,
+            "--json", out, "--quiet")
+    assert p.returncode == 0, p.stderr
+    for r in load(out)["rows"]:
+        assert r["modes"]["cost"]["predicted_ms"] > 0
+        assert "cost mode:" in r["modes"]["cost"]["reason"]
+    # run --dispatch cost --verify with the profile
+    p = run("run", "--device", "cpu", "--model", "deepseek-v3.2", "--tp", "8", "--kv", "bf16",
+            "--prompts", "400,300", "--prefix", "380,0", "--dispatch", "cost", "--profile",
+            profile, "--verify", "--verify-tokens", "8")
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_mismatched_and_stale_profiles_are_refused(run, dsakit, profile, tmp_path):
+    p = run("plan", "--device", "cpu", "--model", "deepseek-v3.2", "--tp", "8", "--kv", "fp8",
+            "--dispatch", "cost", "--profile", profile, "--prompts", "1000")
+    assert p.returncode == 2
+    assert "has no entry for" in p.stderr and "fp8 pool" in p.stderr
+    stale = tmp_path / "stale.json"
+    doc = load(profile)
+    doc["kernel_revision"] = 0
+    stale.write_text(json.dumps(doc))
+    p = run("plan", "--device", "cpu", "--dispatch", "cost", "--profile", stale)
+    assert p.returncode == 2 and "stale" in p.stderr, p.stderr
+    env_run = subprocess.run([str(dsakit), "plan", "--device", "cpu"],
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "DSAKIT_PROFILE": str(stale),
+                                  "DSAKIT_DISPATCH": "cost"})
+    assert env_run.returncode == 2 and "DSAKIT_PROFILE" in env_run.stderr
+    # calibrate refuses to overwrite a file that is not a profile
+    other = tmp_path / "notes.json"
+    other.write_text('{"hello": 1}')
+    p = run("calibrate", *QUICK, "--out", other)
+    assert p.returncode == 2 and "not a dsakit cost profile" in p.stderr
+    assert other.read_text() == '{"hello": 1}'
+
+
+def test_ctrl_c_leaves_valid_partial_json(dsakit, tmp_path):
+    out = tmp_path / "partial.json"
+    proc = subprocess.Popen([str(dsakit), "bench", *QUICK, "--grid", "small", "--runs", "3",
+                             "--json", str(out), "--quiet"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if out.exists() and load(out)["rows"]:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("no row written within 300 s")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    doc = load(out)
+    assert doc["complete"] is False and doc["interrupted"] is True
+    assert 1 <= len(doc["rows"]) < 20
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grid", "huge"], "--grid"),
+    (["--kv", "int4"], "int4"),
+    (["--models", "deepseek-v3.2:x"], "--models"),
+    (["--models", ","], "--models"),
+    (["--runs", "0"], "--runs"),
+    (["--modes", "fast"], "dispatch mode"),
+    (["--fresh", "0"], "--fresh"),
+    (["--plot-format", "gif"], "--plot-format"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bench_bad_flags(run, args, message):
+    p = run("bench", "--device", "cpu", *args)
+    assert p.returncode == 2, p.stderr
+    assert message in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_bench_plot(run, tmp_path):
+    pytest.importorskip("matplotlib")
+    prefix = tmp_path / "fig"
+    p = run("bench", *QUICK, "--grid", "quick", *FAST, "--no-stages", "--plot", prefix,
+            "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "fig.json").exists()
+    for name in ("fig-curves.png", "fig-decision.png", "fig-speedup.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
