@@ -2,7 +2,6 @@
 // events on the backend's stream (warm-up, median of >= 20 runs, 3 input sets rotated so the L2
 // does not flatter), next to the ceilings measured in the same run (device-to-device copy
 // bandwidth, cuBLAS bf16 GEMM rate). Prints a table; --json FILE writes the rows.
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -69,38 +68,6 @@ Tensor random_device(Backend& be, DType dtype, const std::vector<int64_t>& shape
       h.ptr<float>()[i] = d(gen);
   }
   return be.to_device(h);
-}
-
-struct Ceilings {
-  double copy_gbs = 0, gemm_tflops = 0;
-};
-
-Ceilings measure_ceilings(cuda::CudaBackend& be) {
-  Ceilings c;
-  const size_t bytes = size_t(2) << 30;
-  Tensor src = be.empty(DType::kU8, {int64_t(bytes)}), dst = be.empty(DType::kU8, {int64_t(bytes)});
-  be.fill_bytes(src, 0x5A);
-  const double ms = time_ms(be.stream(), [&](int) {
-    BENCH_CUDA(cudaMemcpyAsync(dst.view().data, src.view().data, bytes, cudaMemcpyDeviceToDevice,
-                               be.stream()));
-  });
-  c.copy_gbs = 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
-  const int n = 8192;
-  Tensor a = random_device(be, DType::kBF16, {n, n}, 1),
-         b = random_device(be, DType::kBF16, {n, n}, 2);
-  Tensor o = be.empty(DType::kBF16, {n, n});
-  cublasHandle_t h;
-  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) DSAKIT_FAIL(kBackend, "cublasCreate failed");
-  cublasSetStream(h, be.stream());
-  const float one = 1, zero = 0;
-  const double gms = time_ms(be.stream(), [&](int) {
-    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.view().data, CUDA_R_16BF, n,
-                 b.view().data, CUDA_R_16BF, n, &zero, o.view().data, CUDA_R_16BF, n,
-                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  });
-  cublasDestroy(h);
-  c.gemm_tflops = 2.0 * n * double(n) * n / (gms * 1e-3) / 1e12;
-  return c;
 }
 
 struct Row {
@@ -306,7 +273,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     cuda::CudaBackend be(0);
-    const Ceilings ceil = measure_ceilings(be);
+    const Backend::Ceilings ceil = be.measure_ceilings();
     std::vector<Row> rows;
     const ModelConfig ds = ModelConfig::preset("deepseek-v3.2");
     for (int tp : {1, 8})
