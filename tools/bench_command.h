@@ -19,7 +19,7 @@ struct BenchOptions {
   std::string profile;  // cost-mode profile (or DSAKIT_PROFILE)
   int runs = 50;            // timed calls per mode at most (median)
   int min_runs = 5;         // ... and at least
-  double budget_ms = 1500;  // per shape: stop adding runs once spent (after min_runs)
+  double budget_ms = 1000;  // per shape: stop adding runs once spent (after min_runs)
   bool stages = true;
   std::string json, plot, plot_format = "png";
   uint64_t seed = 1;

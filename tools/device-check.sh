@@ -162,8 +162,11 @@ if [ "${result[build]}" = PASS ] && explicit layerbench; then
 fi
 
 note "done"
-# The device tool returns at most 8 files: pack the logs into one archive.
-tar -czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log *.txt 2>/dev/null) 2>/dev/null
+# The device tool returns at most 8 files: pack everything into one archive and keep only the
+# archive and the JSON results next to it.
+(cd "$out" && tar -czf logs.tgz --exclude=logs.tgz ./* 2>/dev/null &&
+  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json \
+    -delete)
 echo
 printf '%-44s %s\n' CHECK RESULT
 fail=0

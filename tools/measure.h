@@ -56,8 +56,9 @@ class LayerBench {
   void prepare(const BenchShape& shape);
   const Batch& batch() const;
 
-  // Times each policy: `warmup` untimed rounds, then rounds until `runs` timed calls each or
-  // `budget_ms` of wall time is spent (at least `min_runs`), then (if `stages`) a few rounds
+  // Times each policy: one untimed round, then rounds in which each policy runs 4 calls in a
+  // row (the first, after a switch of path, is dropped) until `runs` timed calls each or
+  // `budget_ms` of wall time is spent (at least `min_runs`), then (if `stages`) a few calls
   // with per-stage timing. Stops early, with what it has, when *stop becomes true.
   std::vector<PolicyTiming> time(const std::vector<DispatchPolicy>& policies, int runs,
                                  int min_runs, double budget_ms, bool stages,

@@ -95,6 +95,16 @@ class Backend {
   };
   virtual Ceilings measure_ceilings() = 0;
 
+  // Host-side value checks of device index tensors (locations, kv_start, ctx_len, top-k): on
+  // CUDA a device-to-host copy and a sync per op, so a bad index is refused before any write.
+  // The layer turns them off around the ops it feeds with indices it built itself from a
+  // validated batch; kernels still bound-check every index they read. Returns the previous
+  // setting. The CPU backend checks in place at no cost and ignores it.
+  virtual bool set_index_value_checks(bool on) {
+    (void)on;
+    return true;
+  }
+
   PagedKvPool make_kv_pool(const KvPoolDesc& desc);  // zero-filled
   IndexKeyPool make_index_pool(const IndexKeyPoolDesc& desc);
   Tensor to_device(const TensorView& host);  // copy of a host tensor

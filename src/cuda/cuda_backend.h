@@ -54,6 +54,11 @@ class CudaBackend final : public Backend {
   void poison(const TensorView& dst) override;
   void synchronize() override;
   Ceilings measure_ceilings() override;
+  bool set_index_value_checks(bool on) override {
+    const bool previous = options_.host_value_checks;
+    options_.host_value_checks = on;
+    return previous;
+  }
 
   void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                 const TensorView& k_pe) override;
