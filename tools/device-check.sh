@@ -18,6 +18,13 @@ mkdir -p "$out"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(all)
 want() { [[ " ${steps[*]} " == *" all "* || " ${steps[*]} " == *" $1 "* ]]; }
+explicit() { [[ " ${steps[*]} " == *" $1 "* ]]; }  # steps not part of 'all'
+SAN_TIMEOUT=${SAN_TIMEOUT:-420}
+san() {  # tool binary: one job (gtest filter from SAN_FILTER); its verdict goes to a .rc file
+  local log="$out/san_$1_$(basename "$2").log"
+  ( timeout "$SAN_TIMEOUT" compute-sanitizer --tool "$1" --error-exitcode 9 "$2" --gtest_brief=1 \
+      --gtest_filter="${SAN_FILTER:-*}" >"$log" 2>&1; echo $? >"$log.rc" ) &
+}
 declare -A result
 t0=$(date +%s)
 note() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
@@ -51,12 +58,7 @@ if [ "${result[build]}" = PASS ] && want tests; then
 fi
 
 if [ "${result[build]}" = PASS ] && want sanitize; then
-  note "compute-sanitizer (parallel jobs, ${SAN_TIMEOUT:=420} s each)"
-  san() {  # tool binary: one job; its verdict goes to a .rc file read after the wait
-    local name="san:$1:$(basename "$2")" log="$out/san_$1_$(basename "$2").log"
-    ( timeout "$SAN_TIMEOUT" compute-sanitizer --tool "$1" --error-exitcode 9 "$2" --gtest_brief=1 \
-        >"$log" 2>&1; echo $? >"$log.rc" ) &
-  }
+  note "compute-sanitizer (parallel jobs, $SAN_TIMEOUT s each)"
   # memcheck over every test binary that drives the GPU (DSAKIT_TEST_BACKENDS=cuda), racecheck
   # and initcheck over the CUDA-specific suites.
   for t in test_cuda_backend test_cuda_attention test_pool test_indexer test_peers test_layer \
@@ -65,7 +67,13 @@ if [ "${result[build]}" = PASS ] && want sanitize; then
   done
   san racecheck build-dev/tests/test_cuda_attention
   san racecheck build-dev/tests/test_cuda_backend
-  san initcheck build-dev/tests/test_cuda_backend
+fi
+if [ "${result[build]}" = PASS ] && { want sanitize || explicit initcheck; }; then
+  # initcheck does not track cuBLAS's stores (the probe below reproduces it in 20 lines): the
+  # three tests that feed a cuBLAS output (absorb_q) into our sparse kernel are left to memcheck
+  # and racecheck; every other test runs under initcheck.
+  SAN_FILTER="-*DeterministicAndNoAllocationWhenWarm*:*RunsOnACallerStream*:*SparseForwardCapturesIntoACudaGraph*" \
+    san initcheck build-dev/tests/test_cuda_backend
   san initcheck build-dev/tests/test_cuda_attention
   # Does initcheck see cuBLAS's stores? The probe reads a GEMM's output with a plain kernel,
   # once after a memset (must be clean) and once with only cuBLAS writing it (informational).
@@ -139,7 +147,6 @@ if [ "${result[build]}" = PASS ] && want bench; then
 fi
 
 # Layer benchmark steps (explicit only, not part of 'all': minutes of device time).
-explicit() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 models=${DSAKIT_BENCH_MODELS:-deepseek-v3.2:1,deepseek-v3.2:8,glm-5:1,glm-5:4}
 profile=${DSAKIT_PROFILE_IN:-$out/profile.json}
 if [ "${result[build]}" = PASS ] && explicit calibrate; then
