@@ -50,7 +50,7 @@ grep -E "spill|Local memory" "$out/build.log" | sort -u >"$out/spills.txt"
 
 if [ "${result[build]}" = PASS ] && want tests; then
   note "tests (backends: $DSAKIT_TEST_BACKENDS)"
-  for t in build-dev/tests/test_*; do
+  for t in build-dev/tests/${TEST_GLOB:-test_*}; do
     name=$(basename "$t")
     if timeout 300 "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then result[$name]=PASS
     else result[$name]=FAIL; tail -25 "$out/$name.log"; fi

@@ -30,7 +30,7 @@ enum class AttentionPath : uint8_t;
 // Bump when a profile's meaning changes (terms, units) or when kernels change speed enough that
 // old profiles would mislead: profiles with another value are refused as stale.
 inline constexpr int kCostProfileFormat = 1;
-inline constexpr int kCostKernelRevision = 1;
+inline constexpr int kCostKernelRevision = 2;  // 2: dense MHA schedule from the arena
 
 // Features of requests [first, first + count) of a batch (see the table above).
 struct CostFeatures {

@@ -560,7 +560,11 @@ void CudaBackend::sparse_mla(const SparseMlaArgs& args) {
 void CudaBackend::dense_mha(const DenseMhaArgs& args) {
   activate();
   validate::dense_mha(args, Device::kCuda);
-  cuda_dense_mha(args, stream_);
+  Tensor schedule;  // freed after the launch: the arena reuses it in stream order only
+  cuda_dense_mha(args, stream_, [&](size_t bytes) {
+    schedule = empty(DType::kU8, {int64_t(bytes)});
+    return schedule.view().data;
+  });
 }
 
 void CudaBackend::merge_partials(const TensorView& o_parts, const TensorView& lse_parts,

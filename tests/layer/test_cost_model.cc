@@ -209,9 +209,11 @@ TEST(CostProfileFile, RefusesStaleMalformedAndForeignFiles) {
     EXPECT_NE(at, std::string::npos) << from;
     return at == std::string::npos ? t : t.replace(at, from.size(), to);
   };
-  EXPECT_TRUE(contains(refused(replaced("\"kernel_revision\": 1", "\"kernel_revision\": 0"),
-                               "old kernels"),
-                       "stale"));
+  const std::string revision = "\"kernel_revision\": " + std::to_string(kCostKernelRevision);
+  EXPECT_TRUE(contains(
+      refused(replaced(revision, "\"kernel_revision\": " + std::to_string(kCostKernelRevision - 1)),
+              "old kernels"),
+      "stale"));
   EXPECT_TRUE(contains(
       refused(replaced("\"format_version\": 1", "\"format_version\": 99"), "format"), "stale"));
   refused("{", "truncated");

@@ -121,7 +121,8 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
   check_cuda(status, "cuda sparse_mla launch");
 }
 
-void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream) {
+void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
+                    const std::function<void*(size_t)>& scratch) {
   constexpr const char* kOp = "cuda dense_mha";
   using namespace cuda::dense_mha;
   require_bf16(a.q_nope, kOp, "q_nope");
@@ -164,20 +165,17 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream) {
                ", ", d_rope, ", ", d_v, "); the CUDA kernels support ",
                cuda::attention::kDenseMhaSupportedDims);
 
-  // The schedule travels with the stream: stream-ordered allocation, copy, launch, free.
-  DenseTile* device_tiles = nullptr;
+  // The schedule travels with the stream: scratch from the caller's stream-ordered arena, copy,
+  // launch.
   const size_t bytes = tiles.size() * sizeof(DenseTile);
-  check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&device_tiles), bytes, stream),
-             "cuda dense_mha: schedule allocation");
+  auto* device_tiles = static_cast<DenseTile*>(scratch(bytes));
   cudaError_t status =
       cudaMemcpyAsync(device_tiles, tiles.data(), bytes, cudaMemcpyHostToDevice, stream);
   if (status == cudaSuccess) {
     params.tiles = device_tiles;
     status = launch(params, stream);
   }
-  const cudaError_t free_status = cudaFreeAsync(device_tiles, stream);
   check_cuda(status, "cuda dense_mha launch");
-  check_cuda(free_status, "cuda dense_mha: schedule release");
 }
 
 }  // namespace dsakit

@@ -6,6 +6,8 @@
 // (dtype, head dims, head count, pool layout), and Error(kBackend) on a CUDA error.
 #pragma once
 
+#include <functional>
+
 #include <cuda_runtime.h>
 
 #include "dsakit/backend.h"
@@ -18,6 +20,9 @@ void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
 
 // Dense MHA prefill (DESIGN.md §3.5): bf16, (d_nope, d_rope, d_v) in {(128, 64, 128),
 // (192, 64, 256)}, varlen causal with prefix; the tile schedule comes from cu_q_host / cu_kv_host.
-void cuda_dense_mha(const DenseMhaArgs& args, cudaStream_t stream);
+// `scratch(bytes)` returns stream-ordered device memory for the tile schedule (the backend's
+// arena: no allocation once warm).
+void cuda_dense_mha(const DenseMhaArgs& args, cudaStream_t stream,
+                    const std::function<void*(size_t)>& scratch);
 
 }  // namespace dsakit
