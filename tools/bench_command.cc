@@ -580,7 +580,7 @@ int calibrate_command(const CalibrateOptions& o) {
       entry.created = today();
       progress.finish();
       if (!o.quiet) {
-        fmt::print("{}: {} samples\n", group, entry.samples);
+        fmt::print("{}: {} samples\n", group, entry.samples.size());
         for (const auto* t : {&entry.dense, &entry.sparse}) {
           std::string terms;
           for (size_t i = 0; i < t->names.size(); ++i)

@@ -7,6 +7,10 @@ path, and the cost mode against the per-shape oracle (best of dense and sparse m
 one-line summary per group. Standard library only.
 
     tools/bench_report.py BENCH.json [BENCH2.json ...] > tables.md
+    tools/bench_report.py OLD.json NEW.json --merge ALL.json   # rows of later files win
+
+Several files are read as one run: a row of a later file replaces the row of an earlier one with
+the same group and shape (a re-measured subset over a full grid).
 """
 import argparse
 import json
@@ -48,8 +52,16 @@ def rule_regret(row):
     return None if d is None or "oracle_ms" not in row else d / row["oracle_ms"]
 
 
+def merged_rows(docs):
+    rows = {}
+    for d in docs:
+        for r in d["rows"]:
+            rows[(group_key(r), r["label"])] = r
+    return list(rows.values())
+
+
 def report(docs):
-    rows = [r for d in docs for r in d["rows"]]
+    rows = merged_rows(docs)
     groups = {}
     for r in rows:
         groups.setdefault(group_key(r), []).append(r)
@@ -115,6 +127,7 @@ def report(docs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="+", help="files written by dsakit bench --json")
+    ap.add_argument("--merge", metavar="OUT", help="also write the merged rows as one bench JSON")
     args = ap.parse_args()
     docs = []
     for path in args.json:
@@ -128,6 +141,13 @@ def main():
             print(f"bench_report: {path}: not a dsakit bench file", file=sys.stderr)
             return 2
         docs.append(d)
+    if args.merge:
+        merged = dict(docs[-1])
+        merged["rows"] = merged_rows(docs)
+        merged["sources"] = args.json
+        merged.pop("summary", None)
+        with open(args.merge, "w") as f:
+            json.dump(merged, f, separators=(",", ":"))
     print(report(docs))
     return 0
 

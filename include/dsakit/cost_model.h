@@ -29,7 +29,7 @@ enum class AttentionPath : uint8_t;
 
 // Bump when a profile's meaning changes (terms, units) or when kernels change speed enough that
 // old profiles would mislead: profiles with another value are refused as stale.
-inline constexpr int kCostProfileFormat = 1;
+inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correction
 inline constexpr int kCostKernelRevision = 2;  // 2: dense MHA schedule from the arena
 
 // Features of requests [first, first + count) of a batch (see the table above).
@@ -69,13 +69,28 @@ struct CostKey {
   std::string describe() const;  // "NVIDIA H200, deepseek-v3.2 H=128 (128/64/128, ...), fp8"
 };
 
+// One calibration measurement: a batch's features, which path, the whole-call time and the
+// per-stage times (stage timing synchronizes around stages, so the stages do not sum to ms).
+struct CostSample {
+  AttentionPath path;
+  CostFeatures features;
+  double ms = 0;
+  std::map<std::string, double> stage_ms;
+};
+
+// A profile entry. Prediction = the path's linear model times a local correction: the
+// calibration samples of that path near the batch (in log2 of tokens, positions and requests)
+// pull the prediction toward what was measured there (Gaussian weights, sigma 0.5 octave, shrunk
+// toward no correction when no sample is close). Far from every sample the linear model alone
+// decides; at a calibration shape the prediction is within a few % of the measurement.
 struct CostEntry {
   CostKey key;
-  CostTerms dense, sparse;                     // whole layer call through each path
-  std::map<std::string, CostTerms> stages;     // per-stage fits (reported, not used to decide)
-  int samples = 0;
-  std::string created;  // ISO date of the calibration
+  CostTerms dense, sparse;                  // whole layer call through each path
+  std::map<std::string, CostTerms> stages;  // per-stage fits (reported, not used to decide)
+  std::vector<CostSample> samples;          // the calibration measurements (stage times dropped)
+  std::string created;                      // ISO date of the calibration
 
+  double linear_ms(AttentionPath path, const CostFeatures& f) const;
   double predict_ms(AttentionPath path, const CostFeatures& f) const;
 };
 
@@ -99,14 +114,6 @@ struct CostProfile {
   void put(CostEntry entry);
 };
 
-// One calibration measurement: a batch's features, which path, the whole-call time and the
-// per-stage times (stage timing synchronizes around stages, so the stages do not sum to ms).
-struct CostSample {
-  AttentionPath path;
-  CostFeatures features;
-  double ms = 0;
-  std::map<std::string, double> stage_ms;
-};
 
 // Fits `terms` to (features, ms) pairs by non-negative least squares on relative error.
 CostTerms fit_cost_terms(const std::vector<std::string>& terms,

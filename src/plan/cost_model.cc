@@ -113,8 +113,32 @@ std::string CostKey::describe() const {
   return os.str();
 }
 
-double CostEntry::predict_ms(AttentionPath path, const CostFeatures& f) const {
+double CostEntry::linear_ms(AttentionPath path, const CostFeatures& f) const {
   return (path == AttentionPath::kDenseMha ? dense : sparse).predict_ms(f);
+}
+
+double CostEntry::predict_ms(AttentionPath path, const CostFeatures& f) const {
+  const double linear = linear_ms(path, f);
+  if (linear <= 0) return linear;
+  // Local correction in log space: Gaussian weights over the distance in octaves of tokens,
+  // positions and requests; kShrink is the weight of "no correction" (a sample exactly one
+  // sigma away gets ~12x that), so a batch far from every sample keeps the linear model.
+  constexpr double kSigma = 0.5, kShrink = 0.05;
+  auto octaves = [](double a, double b) { return std::log2(std::max(a, 1.0) / std::max(b, 1.0)); };
+  double weight = 0, sum = 0;
+  for (const CostSample& s : samples) {
+    if (s.path != path || s.ms <= 0) continue;
+    const double dt = octaves(f.tokens, s.features.tokens),
+                 dn = octaves(f.positions, s.features.positions),
+                 dr = octaves(f.requests, s.features.requests);
+    const double w = std::exp(-(dt * dt + dn * dn + dr * dr) / (2 * kSigma * kSigma));
+    if (w < 1e-6) continue;
+    const double base = linear_ms(path, s.features);
+    if (base <= 0) continue;
+    weight += w;
+    sum += w * std::log(s.ms / base);
+  }
+  return linear * std::exp(sum / (weight + kShrink));
 }
 
 // ---- JSON ------------------------------------------------------------------------------------
@@ -162,7 +186,20 @@ std::string CostProfile::to_json() const {
               {"d_c", e.key.d_c},                {"index_heads", e.key.index_heads},
               {"index_dim", e.key.index_dim},    {"index_topk", e.key.index_topk},
               {"layout", e.key.layout}};
-    json je = {{"key", k}, {"samples", e.samples}, {"created", e.created}};
+    json je = {{"key", k}, {"created", e.created}};
+    je["samples"] = json::array();
+    for (const CostSample& smp : e.samples) {
+      const CostFeatures& f = smp.features;
+      je["samples"].push_back({{"path", to_string(smp.path)},
+                               {"R", f.requests},
+                               {"T", f.tokens},
+                               {"N", f.positions},
+                               {"C", f.ctx},
+                               {"K", f.ctx_topk},
+                               {"H", f.heads},
+                               {"Hi", f.index_heads},
+                               {"ms", smp.ms}});
+    }
     je["dense"] = terms_json(e.dense);
     je["sparse"] = terms_json(e.sparse);
     for (const auto& [name, t] : e.stages) je["stages"][name] = terms_json(t);
@@ -213,8 +250,26 @@ CostProfile CostProfile::from_json(const std::string& text, const std::string& s
       e.key.index_topk = k.at("index_topk").get<int>();
       e.key.layout = k.at("layout").get<std::string>();
       parse_kv_layout(e.key.layout);
-      e.samples = je.value("samples", 0);
       e.created = je.value("created", "");
+      for (const json& js : je.at("samples")) {
+        CostSample smp;
+        const std::string path = js.at("path").get<std::string>();
+        DSAKIT_CHECK_ARG(path == "dense_mha" || path == "sparse_mla",
+                         "sample path: expected dense_mha or sparse_mla, got '", path, "'");
+        smp.path = path == "dense_mha" ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
+        CostFeatures& f = smp.features;
+        f.requests = js.at("R").get<double>();
+        f.tokens = js.at("T").get<double>();
+        f.positions = js.at("N").get<double>();
+        f.ctx = js.at("C").get<double>();
+        f.ctx_topk = js.at("K").get<double>();
+        f.heads = js.at("H").get<double>();
+        f.index_heads = js.at("Hi").get<double>();
+        smp.ms = js.at("ms").get<double>();
+        for (double v : {f.requests, f.tokens, f.positions, f.ctx, f.ctx_topk, smp.ms})
+          DSAKIT_CHECK_ARG(std::isfinite(v) && v >= 0, "sample values must be finite and >= 0");
+        e.samples.push_back(smp);
+      }
       e.dense = terms_from(je.at("dense"), cost_terms(AttentionPath::kDenseMha), "dense");
       e.sparse = terms_from(je.at("sparse"), cost_terms(AttentionPath::kSparseMla), "sparse");
       if (je.contains("stages") && je["stages"].is_object())
@@ -366,7 +421,7 @@ CostTerms fit_cost_terms(const std::vector<std::string>& terms,
 CostEntry fit_cost_entry(const CostKey& key, const std::vector<CostSample>& samples) {
   CostEntry e;
   e.key = key;
-  e.samples = int(samples.size());
+  for (const CostSample& smp : samples) e.samples.push_back({smp.path, smp.features, smp.ms, {}});
   std::map<std::string, std::pair<std::vector<CostFeatures>, std::vector<double>>> stage_data;
   for (AttentionPath path : {AttentionPath::kDenseMha, AttentionPath::kSparseMla}) {
     std::vector<CostFeatures> f;

@@ -163,6 +163,40 @@ TEST(CostFit, NeverNegativeEvenWhenTheDataWantsIt) {
   EXPECT_THROW(fit_cost_terms({"1"}, f, {1.0}), Error);
 }
 
+TEST(CostEntryPrediction, LocalCorrectionPullsTowardNearbySamples) {
+  const ModelConfig c = ds16();
+  CostEntry e = entry(c, KvLayout::kBf16);
+  // The linear model says 0.05 + 1e-3 * N for dense; the measurements near P=1500, E=8 say
+  // 3x that, near P=0, E=1000 they agree with it.
+  const Batch near = make_batch({1500}, {8}), far = make_batch({0}, {1000});
+  const CostFeatures fn = CostFeatures::of(near, c), ff = CostFeatures::of(far, c);
+  const double lin_near = e.linear_ms(AttentionPath::kDenseMha, fn);
+  e.samples.push_back({AttentionPath::kDenseMha, fn, 3 * lin_near, {}});
+  e.samples.push_back(
+      {AttentionPath::kDenseMha, ff, e.linear_ms(AttentionPath::kDenseMha, ff), {}});
+  // At the sample: within the shrinkage of the measurement.
+  EXPECT_NEAR(e.predict_ms(AttentionPath::kDenseMha, fn) / (3 * lin_near), 1.0, 0.08);
+  // Far from the slow sample (and at the agreeing one): the linear model.
+  EXPECT_NEAR(e.predict_ms(AttentionPath::kDenseMha, ff) / e.linear_ms(AttentionPath::kDenseMha, ff),
+              1.0, 1e-3);
+  // Half an octave away in positions: part of the way.
+  const CostFeatures mid = CostFeatures::of(make_batch({int32_t(1500 * 1.41)}, {8}), c);
+  const double r = e.predict_ms(AttentionPath::kDenseMha, mid) /
+                   e.linear_ms(AttentionPath::kDenseMha, mid);
+  EXPECT_GT(r, 1.5);
+  EXPECT_LT(r, 3.0);
+  // The sparse path has no samples: untouched.
+  EXPECT_DOUBLE_EQ(e.predict_ms(AttentionPath::kSparseMla, fn),
+                   e.linear_ms(AttentionPath::kSparseMla, fn));
+  // Survives the file round trip.
+  CostProfile p;
+  p.put(e);
+  const CostProfile q = CostProfile::from_json(p.to_json(), "mem");
+  ASSERT_EQ(q.entries[0].samples.size(), 2u);
+  EXPECT_NEAR(q.entries[0].predict_ms(AttentionPath::kDenseMha, fn),
+              e.predict_ms(AttentionPath::kDenseMha, fn), 1e-9);
+}
+
 TEST(CostProfileFile, RoundTripKeepsPredictions) {
   const ModelConfig c = ds16();
   CostProfile p;
@@ -214,8 +248,8 @@ TEST(CostProfileFile, RefusesStaleMalformedAndForeignFiles) {
       refused(replaced(revision, "\"kernel_revision\": " + std::to_string(kCostKernelRevision - 1)),
               "old kernels"),
       "stale"));
-  EXPECT_TRUE(contains(
-      refused(replaced("\"format_version\": 1", "\"format_version\": 99"), "format"), "stale"));
+  const std::string format = "\"format_version\": " + std::to_string(kCostProfileFormat);
+  EXPECT_TRUE(contains(refused(replaced(format, "\"format_version\": 99"), "format"), "stale"));
   refused("{", "truncated");
   refused("[]", "not an object");
   refused("{\"format\": \"something-else\"}", "foreign");
