@@ -19,6 +19,8 @@
 
 #include "dsakit/backend.h"
 #include "dsakit/batch.h"
+#include "dsakit/cost_model.h"
+#include "dsakit/plan.h"
 
 namespace dsakit {
 namespace {
@@ -321,6 +323,64 @@ void sparse_args(benchmark::internal::Benchmark* b) {
     b->Args({2048, threads, 0})->Args({2048, threads, 1})->Args({8192, threads, 0});
   }
 }
+
+// The planner itself, which runs on every layer call: rule mode (mode 0), and cost mode with a
+// profile entry of 49 calibration samples (the size dsakit calibrate writes) for a batch of R
+// requests (half fresh 256-token prompts, half 16 new tokens on a 1,984-token prefix, so splits
+// are weighed); mode 1 with the entry's prepared neighbour cache (as profiles are read), mode 2
+// without it (every prediction re-derives each sample's residual: the first implementation).
+// Host time per plan.
+void BM_plan(benchmark::State& state) {
+  const bool cost = state.range(0) >= 1, prepared = state.range(0) == 1;
+  const int requests = int(state.range(1));
+  const ModelConfig config = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+  Capabilities caps;
+  caps.device = Device::kCuda;
+  caps.device_name = "bench gpu";
+  caps.sm_arch = 90;
+  caps.dense_mha = true;
+  Batch b;
+  for (int r = 0; r < requests; ++r) {
+    b.prefix_lens.push_back(r % 2 ? 1984 : 0);
+    b.extend_lens.push_back(r % 2 ? 16 : 256);
+  }
+  b.page_tables.resize(size_t(requests));
+  DispatchPolicy policy;
+  if (cost) {
+    CostEntry e;
+    e.key = CostKey::of(caps.device_name, config, KvLayout::kFp8Scaled);
+    for (AttentionPath path : {AttentionPath::kDenseMha, AttentionPath::kSparseMla}) {
+      CostTerms& t = path == AttentionPath::kDenseMha ? e.dense : e.sparse;
+      t.names = cost_terms(path);
+      for (size_t i = 0; i < t.names.size(); ++i) t.coef_ms.push_back(1e-6 * double(i + 1));
+    }
+    std::mt19937 gen(3);
+    for (int i = 0; i < 49; ++i) {
+      const Batch one = [&] {
+        Batch x;
+        x.prefix_lens = {int32_t(gen() % 2048)};
+        x.extend_lens = {int32_t(1 + gen() % 2048)};
+        x.page_tables.resize(1);
+        return x;
+      }();
+      e.samples.push_back({i % 2 ? AttentionPath::kDenseMha : AttentionPath::kSparseMla,
+                           CostFeatures::of(one, config), 0.1 + 1e-3 * double(gen() % 1000),
+                           {}});
+    }
+    auto profile = std::make_shared<CostProfile>();
+    if (prepared)
+      profile->put(std::move(e));
+    else
+      profile->entries.push_back(std::move(e));
+    policy.mode = DispatchMode::kCost;
+    policy.profile = profile;
+  }
+  for (auto _ : state) {
+    Plan p = plan_batch(b, config, KvLayout::kFp8Scaled, caps, policy);
+    benchmark::DoNotOptimize(p);
+  }
+}
+BENCHMARK(BM_plan)->ArgsProduct({{0, 1, 2}, {1, 8, 64}})->ArgNames({"mode", "requests"});
 
 BENCHMARK(BM_store_kv)->Apply(token_thread_layout_args);
 BENCHMARK(BM_gather_kv)->Apply(token_thread_layout_args);

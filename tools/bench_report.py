@@ -60,7 +60,7 @@ def merged_rows(docs):
     return list(rows.values())
 
 
-def report(docs):
+def report(docs, sections=("summary", "fresh", "rule", "cost")):
     rows = merged_rows(docs)
     groups = {}
     for r in rows:
@@ -72,16 +72,17 @@ def report(docs):
     for name, rs in groups.items():
         fresh = [r for r in rs if r["kind"] == "fresh"]
         out.append(f"### {name}\n")
-        out.append("| prompt | dense ms | sparse ms | rule ms | cost ms | rule × | cost × |")
-        out.append("| --- | --- | --- | --- | --- | --- | --- |")
-        for r in fresh:
+        if "fresh" in sections:
+            out.append("| prompt | dense ms | sparse ms | rule ms | cost ms | rule × | cost × |")
+            out.append("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in (fresh if "fresh" in sections else []):
             out.append(f"| {r['tokens']} | {fmt(ms(r, 'dense'))} | {fmt(ms(r, 'sparse'))} | "
                        f"{fmt(ms(r, 'rule'))}{letter(r, 'rule')} | "
                        f"{fmt(ms(r, 'cost'))}{letter(r, 'cost')} | "
                        f"{fmt(r.get('speedup_rule_vs_sparse'), 2)} | "
                        f"{fmt(r.get('speedup_cost_vs_sparse'), 2)} |")
         wrong = [r for r in rs if (rule_regret(r) or 0) > 1.03]
-        if wrong:
+        if wrong and "rule" in sections:
             out.append("\nShapes where the rule's path is > 3% slower than the other path "
                        "(forced-mode times):\n")
             out.append("| shape | dense ms | sparse ms | rule ms | cost ms | rule / oracle | "
@@ -94,7 +95,7 @@ def report(docs):
                            f"{fmt(rule_regret(r), 2)} | "
                            f"{fmt(r.get('cost_vs_oracle'), 2)} |")
         off = [r for r in rs if r.get("cost_vs_oracle", 0) > 1.03]
-        if off:
+        if off and "cost" in sections:
             out.append("\nShapes where cost mode measured > 3% above the oracle:\n")
             out.append("| shape | dense ms | sparse ms | cost ms | cost / oracle | chosen path "
                        "/ oracle |")
@@ -121,13 +122,16 @@ def report(docs):
             f"{by_decision}/{len(with_cost)} | "
             + (f"{worst['cost_vs_oracle']:.2f} ({worst['label']})" if worst else "–")
             + f" | {len(wrong)} | {cost_better} |")
-    return "\n".join(summary) + "\n\n" + "\n".join(out)
+    head = "\n".join(summary) + "\n\n" if "summary" in sections else ""
+    return head + "\n".join(out)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="+", help="files written by dsakit bench --json")
     ap.add_argument("--merge", metavar="OUT", help="also write the merged rows as one bench JSON")
+    ap.add_argument("--sections", default="summary,fresh,rule,cost",
+                    help="which tables: summary, fresh, rule, cost (comma list)")
     args = ap.parse_args()
     docs = []
     for path in args.json:
@@ -148,7 +152,7 @@ def main():
         merged.pop("summary", None)
         with open(args.merge, "w") as f:
             json.dump(merged, f, separators=(",", ":"))
-    print(report(docs))
+    print(report(docs, tuple(args.sections.split(","))))
     return 0
 
 

@@ -32,6 +32,10 @@ enum class AttentionPath : uint8_t;
 inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correction
 inline constexpr int kCostKernelRevision = 2;  // 2: dense MHA schedule from the arena
 
+// The terms of the table above; names as written in profiles.
+enum class CostTerm : uint8_t { kOne, kR, kT, kN, kTH, kNH, kCH, kKH, kCHi };
+CostTerm parse_cost_term(const std::string& name);  // "1", "R", ..., "C*Hi"; throws otherwise
+
 // Features of requests [first, first + count) of a batch (see the table above).
 struct CostFeatures {
   double calls = 1, requests = 0, tokens = 0, positions = 0;
@@ -41,7 +45,8 @@ struct CostFeatures {
 
   static CostFeatures of(const Batch& batch, const ModelConfig& config, int first = 0,
                          int count = -1);
-  double term(const std::string& name) const;  // "1", "R", "T", "N", "C*Hi", "K*H", ...
+  double term(CostTerm t) const;
+  double term(const std::string& name) const { return term(parse_cost_term(name)); }
 };
 
 // A fitted linear model: ms = Σ coef[i] · term(names[i]).
@@ -49,6 +54,7 @@ struct CostTerms {
   std::vector<std::string> names;
   std::vector<double> coef_ms;
   double max_rel_error = 0;  // over the calibration samples
+  std::vector<CostTerm> ids;  // names parsed (filled by the fit and the reader; else parsed)
   double predict_ms(const CostFeatures& f) const;
 };
 
@@ -92,6 +98,17 @@ struct CostEntry {
 
   double linear_ms(AttentionPath path, const CostFeatures& f) const;
   double predict_ms(AttentionPath path, const CostFeatures& f) const;
+
+  // Caches each sample's log2 features and log residual against the fits, so predict_ms() is a
+  // few µs for a whole plan (the planner runs on every layer call). The reader, the fit and
+  // CostProfile::put() call it; without it (samples edited by hand) predict_ms() computes the
+  // same values directly.
+  void prepare();
+  struct Neighbor {
+    AttentionPath path;
+    double log2_tokens, log2_positions, log2_requests, log_residual;
+  };
+  std::vector<Neighbor> neighbors;
 };
 
 // A profile file: entries for any number of (device, model, layout) keys.

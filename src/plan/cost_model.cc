@@ -37,22 +37,47 @@ CostFeatures CostFeatures::of(const Batch& b, const ModelConfig& c, int first, i
   return f;
 }
 
-double CostFeatures::term(const std::string& name) const {
-  if (name == "1") return calls;
-  if (name == "R") return requests;
-  if (name == "T") return tokens;
-  if (name == "N") return positions;
-  if (name == "T*H") return tokens * heads;
-  if (name == "N*H") return positions * heads;
-  if (name == "C*H") return ctx * heads;
-  if (name == "K*H") return ctx_topk * heads;
-  if (name == "C*Hi") return ctx * index_heads;
+CostTerm parse_cost_term(const std::string& name) {
+  static const std::pair<const char*, CostTerm> table[] = {
+      {"1", CostTerm::kOne}, {"R", CostTerm::kR},    {"T", CostTerm::kT},
+      {"N", CostTerm::kN},   {"T*H", CostTerm::kTH}, {"N*H", CostTerm::kNH},
+      {"C*H", CostTerm::kCH}, {"K*H", CostTerm::kKH}, {"C*Hi", CostTerm::kCHi}};
+  for (const auto& [n, t] : table)
+    if (name == n) return t;
   DSAKIT_FAIL(kInvalidArgument, "cost model: unknown term '", name, "'");
+}
+
+double CostFeatures::term(CostTerm t) const {
+  switch (t) {
+    case CostTerm::kOne:
+      return calls;
+    case CostTerm::kR:
+      return requests;
+    case CostTerm::kT:
+      return tokens;
+    case CostTerm::kN:
+      return positions;
+    case CostTerm::kTH:
+      return tokens * heads;
+    case CostTerm::kNH:
+      return positions * heads;
+    case CostTerm::kCH:
+      return ctx * heads;
+    case CostTerm::kKH:
+      return ctx_topk * heads;
+    case CostTerm::kCHi:
+      return ctx * index_heads;
+  }
+  return 0;
 }
 
 double CostTerms::predict_ms(const CostFeatures& f) const {
   double ms = 0;
-  for (size_t i = 0; i < names.size(); ++i) ms += coef_ms[i] * f.term(names[i]);
+  if (ids.size() == names.size()) {
+    for (size_t i = 0; i < ids.size(); ++i) ms += coef_ms[i] * f.term(ids[i]);
+  } else {
+    for (size_t i = 0; i < names.size(); ++i) ms += coef_ms[i] * f.term(names[i]);
+  }
   return ms;
 }
 
@@ -117,26 +142,55 @@ double CostEntry::linear_ms(AttentionPath path, const CostFeatures& f) const {
   return (path == AttentionPath::kDenseMha ? dense : sparse).predict_ms(f);
 }
 
+namespace {
+
+double log2_at_least_1(double v) {
+  return std::log2(std::max(v, 1.0));
+}
+
+std::vector<CostEntry::Neighbor> neighbors_of(const CostEntry& e) {
+  std::vector<CostEntry::Neighbor> out;
+  for (const CostSample& s : e.samples) {
+    const double base = e.linear_ms(s.path, s.features);
+    if (s.ms <= 0 || base <= 0) continue;
+    out.push_back({s.path, log2_at_least_1(s.features.tokens),
+                   log2_at_least_1(s.features.positions), log2_at_least_1(s.features.requests),
+                   std::log(s.ms / base)});
+  }
+  return out;
+}
+
+}  // namespace
+
+void CostEntry::prepare() {
+  for (CostTerms* t : {&dense, &sparse}) {
+    t->ids.clear();
+    for (const auto& n : t->names) t->ids.push_back(parse_cost_term(n));
+  }
+  neighbors = neighbors_of(*this);
+}
+
 double CostEntry::predict_ms(AttentionPath path, const CostFeatures& f) const {
   const double linear = linear_ms(path, f);
-  if (linear <= 0) return linear;
+  if (linear <= 0 || samples.empty()) return linear;
   // Local correction in log space: Gaussian weights over the distance in octaves of tokens,
   // positions and requests; kShrink is the weight of "no correction" (a sample exactly one
   // sigma away gets ~12x that), so a batch far from every sample keeps the linear model.
   constexpr double kSigma = 0.5, kShrink = 0.05;
-  auto octaves = [](double a, double b) { return std::log2(std::max(a, 1.0) / std::max(b, 1.0)); };
+  const std::vector<Neighbor> computed =
+      neighbors.size() == samples.size() ? std::vector<Neighbor>{} : neighbors_of(*this);
+  const std::vector<Neighbor>& near = computed.empty() ? neighbors : computed;
+  const double lt = log2_at_least_1(f.tokens), ln = log2_at_least_1(f.positions),
+               lr = log2_at_least_1(f.requests);
   double weight = 0, sum = 0;
-  for (const CostSample& s : samples) {
-    if (s.path != path || s.ms <= 0) continue;
-    const double dt = octaves(f.tokens, s.features.tokens),
-                 dn = octaves(f.positions, s.features.positions),
-                 dr = octaves(f.requests, s.features.requests);
-    const double w = std::exp(-(dt * dt + dn * dn + dr * dr) / (2 * kSigma * kSigma));
-    if (w < 1e-6) continue;
-    const double base = linear_ms(path, s.features);
-    if (base <= 0) continue;
+  for (const Neighbor& s : near) {
+    if (s.path != path) continue;
+    const double dt = lt - s.log2_tokens, dn = ln - s.log2_positions, dr = lr - s.log2_requests;
+    const double d2 = dt * dt + dn * dn + dr * dr;
+    if (d2 > 28 * kSigma * kSigma) continue;  // weight < 1e-6
+    const double w = std::exp(-d2 / (2 * kSigma * kSigma));
     weight += w;
-    sum += w * std::log(s.ms / base);
+    sum += w * s.log_residual;
   }
   return linear * std::exp(sum / (weight + kShrink));
 }
@@ -159,7 +213,7 @@ CostTerms terms_from(const json& j, const std::vector<std::string>& expected, co
   for (const auto& [name, v] : j["coef_ms"].items()) {
     DSAKIT_CHECK_ARG(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() >= 0,
                      what, ".", name, ": expected a finite coefficient >= 0");
-    CostFeatures{}.term(name);  // throws for an unknown term
+    parse_cost_term(name);  // throws for an unknown term
     t.names.push_back(name);
     t.coef_ms.push_back(v.get<double>());
   }
@@ -168,6 +222,7 @@ CostTerms terms_from(const json& j, const std::vector<std::string>& expected, co
       DSAKIT_CHECK_ARG(std::find(t.names.begin(), t.names.end(), name) != t.names.end(), what,
                        ": missing term '", name, "'");
   t.max_rel_error = j.value("max_rel_error", 0.0);
+  for (const auto& n : t.names) t.ids.push_back(parse_cost_term(n));
   return t;
 }
 
@@ -270,6 +325,7 @@ CostProfile CostProfile::from_json(const std::string& text, const std::string& s
           DSAKIT_CHECK_ARG(std::isfinite(v) && v >= 0, "sample values must be finite and >= 0");
         e.samples.push_back(smp);
       }
+      e.prepare();
       e.dense = terms_from(je.at("dense"), cost_terms(AttentionPath::kDenseMha), "dense");
       e.sparse = terms_from(je.at("sparse"), cost_terms(AttentionPath::kSparseMla), "sparse");
       if (je.contains("stages") && je["stages"].is_object())
@@ -321,6 +377,7 @@ const CostEntry& CostProfile::find(const CostKey& key) const {
 }
 
 void CostProfile::put(CostEntry entry) {
+  entry.prepare();
   for (auto& e : entries)
     if (e.key.matches(entry.key)) {
       e = std::move(entry);
@@ -390,6 +447,7 @@ CostTerms fit_cost_terms(const std::vector<std::string>& terms,
   // the handful of terms a path has (2^n subsets).
   CostTerms best;
   best.names = terms;
+  for (const auto& name : terms) best.ids.push_back(parse_cost_term(name));
   best.coef_ms.assign(n, 0);
   double best_res = double(m);  // all-zero model: every relative error is 1
   for (uint32_t mask = 1; mask < (1u << n); ++mask) {
@@ -445,6 +503,7 @@ CostEntry fit_cost_entry(const CostKey& key, const std::vector<CostSample>& samp
   for (const auto& [stage, data] : stage_data)
     if (data.second.size() >= cost_stage_terms(stage).size())
       e.stages[stage] = fit_cost_terms(cost_stage_terms(stage), data.first, data.second);
+  e.prepare();
   return e;
 }
 
