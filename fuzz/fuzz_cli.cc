@@ -6,6 +6,8 @@
 //   * --inputs -> a file that `run --save` wrote at start-up, --save -> a scratch path;
 //   * a `run` whose --prompts sum past 64 tokens or 8 requests, --decode-steps past 8, --chunk
 //     or --page-size past 64, --threads past 2 or --verify-tokens past 64 is skipped.
+//   * `bench` and `calibrate` are skipped: they time real work for seconds to minutes by design
+//     (their flag validation is covered by tests/cli/test_bench.py).
 // Invariant: run_cli returns an exit code of 0..3 and lets no exception escape (libFuzzer reports
 // an escaped exception, crash, leak or sanitizer error). Run with -close_fd_mask=3: the CLI
 // prints its reports and errors.
@@ -137,6 +139,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   bool is_run = false, has_prompts = false;
   for (const auto& a : args) {
+    if (a == "bench" || a == "calibrate") return 0;
     is_run = is_run || a == "run";
     has_prompts = has_prompts || a.rfind("--prompts", 0) == 0 || a.rfind("--inputs", 0) == 0;
   }
