@@ -364,7 +364,8 @@ void BM_plan(benchmark::State& state) {
         return x;
       }();
       e.samples.push_back({i % 2 ? AttentionPath::kDenseMha : AttentionPath::kSparseMla,
-                           CostFeatures::of(one, config), 0.1 + 1e-3 * double(gen() % 1000),
+                           CostFeatures::of(one, config),
+                           0.1 + 1e-3 * double(gen() % 1000),
                            {}});
     }
     auto profile = std::make_shared<CostProfile>();

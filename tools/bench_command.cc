@@ -190,10 +190,17 @@ json summarize(const json& rows) {
                                       r["heads"].get<int>(), r["layout"].get<std::string>());
     json& s = groups[g];
     if (s.is_null())
-      s = {{"fresh_within_topk", 0},  {"rule_speedup_min", 1e300}, {"rule_speedup_max", 0.0},
-           {"cost_speedup_min", 1e300}, {"cost_speedup_max", 0.0},  {"shapes", 0},
-           {"cost_within_3pct", 0},   {"cost_vs_oracle_worst", 0.0}, {"rule_wrong", 0},
-           {"cost_beats_rule_where_rule_wrong", 0}, {"rule_vs_oracle_worst", 0.0}};
+      s = {{"fresh_within_topk", 0},
+           {"rule_speedup_min", 1e300},
+           {"rule_speedup_max", 0.0},
+           {"cost_speedup_min", 1e300},
+           {"cost_speedup_max", 0.0},
+           {"shapes", 0},
+           {"cost_within_3pct", 0},
+           {"cost_vs_oracle_worst", 0.0},
+           {"rule_wrong", 0},
+           {"cost_beats_rule_where_rule_wrong", 0},
+           {"rule_vs_oracle_worst", 0.0}};
     const json& m = r["modes"];
     if (!r.contains("oracle_ms")) continue;
     const double oracle = r["oracle_ms"].get<double>();
@@ -214,9 +221,9 @@ json summarize(const json& rows) {
       // (its own time for a split plan), free of the noise between separate measurements.
       const std::string cp = m["cost"]["path"].get<std::string>();
       const char* same = cp == "dense_mha" ? "dense" : cp == "sparse_mla" ? "sparse" : "cost";
-      const double regret =
-          (m.contains(same) ? m[same] : m["cost"])["ms"].get<double>() / oracle;
-      if (regret <= 1.03) s["cost_decision_within_3pct"] = s.value("cost_decision_within_3pct", 0) + 1;
+      const double regret = (m.contains(same) ? m[same] : m["cost"])["ms"].get<double>() / oracle;
+      if (regret <= 1.03)
+        s["cost_decision_within_3pct"] = s.value("cost_decision_within_3pct", 0) + 1;
       if (regret > s.value("cost_decision_worst", 0.0)) {
         s["cost_decision_worst"] = regret;
         s["cost_decision_worst_shape"] = r["label"];
@@ -255,23 +262,24 @@ json summarize(const json& rows) {
 }
 
 void print_summary(const json& summary) {
-  fmt::print("\nsummary (speed-up = always-sparse ms / mode ms; oracle = faster of dense and "
-             "sparse measured)\n");
+  fmt::print(
+      "\nsummary (speed-up = always-sparse ms / mode ms; oracle = faster of dense and "
+      "sparse measured)\n");
   for (const auto& [name, s] : summary.items()) {
     auto num = [&](const char* k) {
       return s[k].is_null() ? std::string("-") : fmt::format("{:.2f}", s[k].get<double>());
     };
-    fmt::print("  {:<28} fresh<=topk: rule {}..{}x, cost {}..{}x | cost within 3% of oracle on "
-               "{}/{} (worst {} at {}; by its decision {}/{}, worst {}) | rule off by >3% on {} "
-               "shapes, cost faster there on {} (rule worst {} at {})\n",
-               name, num("rule_speedup_min"), num("rule_speedup_max"), num("cost_speedup_min"),
-               num("cost_speedup_max"), s["cost_within_3pct"].get<int>(),
-               s["shapes"].get<int>(), num("cost_vs_oracle_worst"),
-               s.value("cost_vs_oracle_worst_shape", std::string("-")),
-               s.value("cost_decision_within_3pct", 0), s["shapes"].get<int>(),
-               s.contains("cost_decision_worst") ? num("cost_decision_worst") : "-",
-               s["rule_wrong"].get<int>(), s["cost_beats_rule_where_rule_wrong"].get<int>(),
-               num("rule_vs_oracle_worst"), s.value("rule_vs_oracle_worst_shape", std::string("-")));
+    fmt::print(
+        "  {:<28} fresh<=topk: rule {}..{}x, cost {}..{}x | cost within 3% of oracle on "
+        "{}/{} (worst {} at {}; by its decision {}/{}, worst {}) | rule off by >3% on {} "
+        "shapes, cost faster there on {} (rule worst {} at {})\n",
+        name, num("rule_speedup_min"), num("rule_speedup_max"), num("cost_speedup_min"),
+        num("cost_speedup_max"), s["cost_within_3pct"].get<int>(), s["shapes"].get<int>(),
+        num("cost_vs_oracle_worst"), s.value("cost_vs_oracle_worst_shape", std::string("-")),
+        s.value("cost_decision_within_3pct", 0), s["shapes"].get<int>(),
+        s.contains("cost_decision_worst") ? num("cost_decision_worst") : "-",
+        s["rule_wrong"].get<int>(), s["cost_beats_rule_where_rule_wrong"].get<int>(),
+        num("rule_vs_oracle_worst"), s.value("rule_vs_oracle_worst_shape", std::string("-")));
   }
 }
 
@@ -320,8 +328,8 @@ int bench_command(const BenchOptions& o) {
   auto be = open_backend(o.device, o.threads);
   const auto models = parse_model_list(o.models.empty() ? default_models(*be) : o.models);
   const auto layouts = parse_layouts(o.kv);
-  Grid grid = make_grid(o.grid.empty() ? (be->device() == Device::kCpu ? "small" : "full")
-                                       : o.grid);
+  Grid grid =
+      make_grid(o.grid.empty() ? (be->device() == Device::kCpu ? "small" : "full") : o.grid);
   if (!o.fresh.empty()) grid.fresh = parse_int_list(o.fresh, "--fresh", 1);
   if (!o.prefixes.empty()) grid.prefixes = parse_int_list(o.prefixes, "--prefixes", 0);
   if (!o.extends.empty()) grid.extends = parse_int_list(o.extends, "--extends", 1);
@@ -356,8 +364,8 @@ int bench_command(const BenchOptions& o) {
   doc["backend"] = be->device() == Device::kCpu ? "cpu" : "cuda";
   doc["date"] = today();
   doc["dsakit_version"] = DSAKIT_VERSION;
-  doc["ceilings"] = {{"copy_gbs", ceil.copy_gbs}, {"gemm_tflops", ceil.gemm_tflops},
-                     {"gemm", ceil.gemm}};
+  doc["ceilings"] = {
+      {"copy_gbs", ceil.copy_gbs}, {"gemm_tflops", ceil.gemm_tflops}, {"gemm", ceil.gemm}};
   doc["profile"] = have_profile ? json(base.profile_path) : json(nullptr);
   doc["method"] = fmt::format(
       "wall time of DsaAttention::forward between backend synchronizations (host planning and "
@@ -370,8 +378,8 @@ int bench_command(const BenchOptions& o) {
   fmt::print("device {} | copy {:.0f} GB/s, GEMM {:.1f} TFLOP/s ({})\n", caps.device_name,
              ceil.copy_gbs, ceil.gemm_tflops, ceil.gemm);
   fmt::print("{:<26} {:<18} {:>9} {:>9} {:>11} {:>11} {:>6} {:>6} {:>6} {:>8} {:>5}\n", "group",
-             "shape", "dense ms", "sparse ms", "rule ms", "cost ms", "rule x", "cost x",
-             "c/orc", "TFLOP/s", "%gemm");
+             "shape", "dense ms", "sparse ms", "rule ms", "cost ms", "rule x", "cost x", "c/orc",
+             "TFLOP/s", "%gemm");
 
   ProgressLine progress;
   progress.enabled = !o.quiet;
@@ -395,22 +403,17 @@ int bench_command(const BenchOptions& o) {
           used.push_back(m);
         }
         lb.prepare(shape);
-        const auto timings = lb.time(policies, o.runs, std::min(o.min_runs, o.runs), o.budget_ms,
-                                     o.stages, &g_stop);
+        const auto timings =
+            lb.time(policies, o.runs, std::min(o.min_runs, o.runs), o.budget_ms, o.stages, &g_stop);
         if (g_stop.load()) break;
         ++done;
         const Batch& batch = lb.batch();
         const CostFeatures f = CostFeatures::of(batch, cfg);
-        json row = {{"config", cfg.name},
-                    {"heads", cfg.num_heads},
-                    {"layout", to_string(layout)},
-                    {"index_topk", cfg.index_topk},
-                    {"kind", shape.kind},
-                    {"label", shape.label()},
-                    {"prefix", shape.prefix},
-                    {"extend", shape.extend},
-                    {"tokens", shape.tokens()},
-                    {"kv", int64_t(f.positions)},
+        json row = {{"config", cfg.name},          {"heads", cfg.num_heads},
+                    {"layout", to_string(layout)}, {"index_topk", cfg.index_topk},
+                    {"kind", shape.kind},          {"label", shape.label()},
+                    {"prefix", shape.prefix},      {"extend", shape.extend},
+                    {"tokens", shape.tokens()},    {"kv", int64_t(f.positions)},
                     {"max_len", shape.max_len()}};
         json jm = json::object();
         for (size_t i = 0; i < used.size(); ++i) {
@@ -454,8 +457,7 @@ int bench_command(const BenchOptions& o) {
         auto cell = [&](const char* m, bool letter) {
           if (!jm.contains(m)) return std::string("-");
           const std::string p = jm[m]["path"].get<std::string>();
-          const std::string l =
-              p == "dense_mha" ? "D" : p == "sparse_mla" ? "S" : "M";
+          const std::string l = p == "dense_mha" ? "D" : p == "sparse_mla" ? "S" : "M";
           return letter ? fmt::format("{:.3f} {}", jm[m]["ms"].get<double>(), l)
                         : fmt::format("{:.3f}", jm[m]["ms"].get<double>());
         };
@@ -464,9 +466,9 @@ int bench_command(const BenchOptions& o) {
         };
         const char* best = jm.contains("cost") ? "cost" : jm.contains("rule") ? "rule" : nullptr;
         if (progress.tty && progress.enabled) std::fprintf(stderr, "\r\033[K");
-        fmt::print("{:<26} {:<18} {:>9} {:>9} {:>11} {:>11} {:>6} {:>6} {:>6} {:>8} {:>5}\n",
-                   group, shape.label(), cell("dense", false), cell("sparse", false),
-                   cell("rule", true), cell("cost", true), ratio("speedup_rule_vs_sparse"),
+        fmt::print("{:<26} {:<18} {:>9} {:>9} {:>11} {:>11} {:>6} {:>6} {:>6} {:>8} {:>5}\n", group,
+                   shape.label(), cell("dense", false), cell("sparse", false), cell("rule", true),
+                   cell("cost", true), ratio("speedup_rule_vs_sparse"),
                    ratio("speedup_cost_vs_sparse"), ratio("cost_vs_oracle"),
                    best ? fmt::format("{:.1f}", jm[best]["tflops"].get<double>()) : "-",
                    best ? fmt::format("{:.0f}", jm[best]["pct_ceiling"].get<double>()) : "-");
@@ -504,7 +506,7 @@ std::vector<BenchShape> calibration_shapes(int index_topk) {
   for (int32_t t : {64, 128, 256, 512, 1024, 1536, 2048})
     if (t <= k) s.push_back({"fresh", {0}, {t}});
   const std::vector<std::pair<int32_t, int32_t>> pe = {
-      {512, 1},    {1024, 1},  {2000, 1},   {1024, 16},  {1984, 16},  {1536, 64}, {1984, 64},
+      {512, 1},    {1024, 1},   {2000, 1},   {1024, 16},  {1984, 16},   {1536, 64}, {1984, 64},
       {1792, 256}, {1024, 512}, {1536, 512}, {256, 1024}, {1024, 1024}, {2040, 8}};
   for (auto [p, e] : pe)
     if (p + e <= k) s.push_back({"prefix", {p}, {e}});
@@ -537,8 +539,8 @@ int calibrate_command(const CalibrateOptions& o) {
     } catch (const Error& e) {
       const std::string what = e.what();
       DSAKIT_CHECK_ARG(what.find("is stale") != std::string::npos, "--out ", o.out,
-                       " exists and is not a dsakit cost profile this build can extend (",
-                       what, "); choose another file or remove it");
+                       " exists and is not a dsakit cost profile this build can extend (", what,
+                       "); choose another file or remove it");
       std::fprintf(stderr, "dsakit calibrate: %s exists but is stale; replacing it\n",
                    o.out.c_str());
       profile = CostProfile{};
@@ -549,7 +551,8 @@ int calibrate_command(const CalibrateOptions& o) {
   ProgressLine progress;
   progress.enabled = !o.quiet;
   size_t total = 0, done = 0;
-  for (const auto& cfg : models) total += calibration_shapes(cfg.index_topk).size() * layouts.size();
+  for (const auto& cfg : models)
+    total += calibration_shapes(cfg.index_topk).size() * layouts.size();
   for (const ModelConfig& cfg : models) {
     DSAKIT_CHECK(mode_allowed(DispatchMode::kDense, {"fresh", {0}, {1}}, cfg, caps), kUnsupported,
                  "calibrate: ", caps.device_name, " has no dense MHA kernel for ", cfg.name,

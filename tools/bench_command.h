@@ -10,13 +10,13 @@ namespace dsakit::cli {
 struct BenchOptions {
   std::string device = "auto";
   int threads = 0;
-  std::string models;   // "deepseek-v3.2:8,glm-5:4"; empty: by device (see --help)
+  std::string models;  // "deepseek-v3.2:8,glm-5:4"; empty: by device (see --help)
   std::string kv = "bf16,fp8";
-  std::string grid;     // quick | small | full; empty: full on cuda, small on cpu
+  std::string grid;                      // quick | small | full; empty: full on cuda, small on cpu
   std::string fresh, prefixes, extends;  // override the grid's lists
   bool no_mixed = false;
   std::string modes = "dense,sparse,rule,cost";
-  std::string profile;  // cost-mode profile (or DSAKIT_PROFILE)
+  std::string profile;      // cost-mode profile (or DSAKIT_PROFILE)
   int runs = 50;            // timed calls per mode at most (median)
   int min_runs = 5;         // ... and at least
   double budget_ms = 1000;  // per shape: stop adding runs once spent (after min_runs)

@@ -1,5 +1,5 @@
-// dsakit: the command line. Subcommands: run, plan, bench, calibrate, info. run_cli() is main() without the
-// process: the fuzz target fuzz/fuzz_cli.cc calls it in-process.
+// dsakit: the command line. Subcommands: run, plan, bench, calibrate, info. run_cli() is main()
+// without the process: the fuzz target fuzz/fuzz_cli.cc calls it in-process.
 #include "tools/cli_app.h"
 
 #include <fmt/format.h>
@@ -253,8 +253,10 @@ int run_cli(int argc, char** argv) {
   bench->add_option("--prefixes", bo.prefixes, "Override the grid's cached prefix lengths (list)");
   bench->add_option("--extends", bo.extends, "Override the grid's extend lengths (list)");
   bench->add_flag("--no-mixed", bo.no_mixed, "Leave out the mixed batches");
-  bench->add_option("--modes", bo.modes, "Dispatch modes to time (list of dense, sparse, rule, "
-                                         "cost; dense only where it is exact)")
+  bench
+      ->add_option("--modes", bo.modes,
+                   "Dispatch modes to time (list of dense, sparse, rule, "
+                   "cost; dense only where it is exact)")
       ->capture_default_str();
   bench->add_option("--profile", bo.profile,
                     "Cost-mode profile from dsakit calibrate (or DSAKIT_PROFILE); without one, "
@@ -263,8 +265,9 @@ int run_cli(int argc, char** argv) {
       ->capture_default_str();
   bench->add_option("--min-runs", bo.min_runs, "At least this many, whatever the budget")
       ->capture_default_str();
-  bench->add_option("--budget-ms", bo.budget_ms,
-                    "Per shape: stop adding runs once this much wall time is spent")
+  bench
+      ->add_option("--budget-ms", bo.budget_ms,
+                   "Per shape: stop adding runs once this much wall time is spent")
       ->capture_default_str();
   bench->add_flag("!--no-stages", bo.stages, "Skip the per-stage timing calls");
   bench->add_option("--json", bo.json, "Write all rows and the summary as JSON");
@@ -289,8 +292,8 @@ int run_cli(int argc, char** argv) {
                         "Configs as PRESET[:TP] list (defaults as for bench)");
   calibrate->add_option("--kv", co.kv, "Pool layouts, a list of bf16, fp8, fp8-raw")
       ->capture_default_str();
-  calibrate->add_option("--out", co.out,
-                        "Profile file (entries for other keys already in it are kept)")
+  calibrate
+      ->add_option("--out", co.out, "Profile file (entries for other keys already in it are kept)")
       ->capture_default_str();
   calibrate->add_option("--runs", co.runs, "Timed calls per path and shape (median)")
       ->capture_default_str();
@@ -302,8 +305,8 @@ int run_cli(int argc, char** argv) {
   CLI::App* info = app.add_subcommand("info", "Print the build (backends, kernels) and devices");
 
   const std::string first = argc > 1 ? argv[1] : "";
-  if (!first.empty() && first[0] != '-' && first != "run" && first != "plan" &&
-      first != "bench" && first != "calibrate" && first != "info") {
+  if (!first.empty() && first[0] != '-' && first != "run" && first != "plan" && first != "bench" &&
+      first != "calibrate" && first != "info") {
     std::fprintf(stderr,
                  "dsakit: error: unknown subcommand '%s' (expected run, plan, bench, calibrate "
                  "or info; see dsakit --help)\n",

@@ -35,13 +35,12 @@ int64_t BenchShape::max_len() const {
 }
 
 double layer_flops(const ModelConfig& c, AttentionPath path, const CostFeatures& f) {
-  const double h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
-               dv = c.v_head_dim, dc = c.kv_lora_rank;
+  const double h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim,
+               dc = c.kv_lora_rank;
   if (path == AttentionPath::kDenseMha)
     return 2 * h * f.ctx * (dn + dr + dv) + 2 * f.positions * h * dc * (dn + dv);
-  return 2 * h * f.ctx_topk * (dc + dr + dc) +
-         2.0 * c.index_n_heads * c.index_head_dim * f.ctx + 2 * f.tokens * h * dn * dc +
-         2 * f.tokens * h * dc * dv;
+  return 2 * h * f.ctx_topk * (dc + dr + dc) + 2.0 * c.index_n_heads * c.index_head_dim * f.ctx +
+         2 * f.tokens * h * dn * dc + 2 * f.tokens * h * dc * dv;
 }
 
 double plan_flops(const ModelConfig& c, const Batch& b, const Plan& plan) {
@@ -93,9 +92,7 @@ struct LayerBench::State {
     IndexKeyPool ix;
     Tensor q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w;
     std::unique_ptr<DsaAttention> layer, staged;
-    LayerInputs view() const {
-      return {q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w};
-    }
+    LayerInputs view() const { return {q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w}; }
   };
   BenchShape shape;
   Batch batch;
@@ -173,8 +170,8 @@ void LayerBench::prepare(const BenchShape& shape) {
     set->idx_k = dev(DType::kBF16, {t, c.index_head_dim}, 6);
     set->idx_w = dev(DType::kF32, {t, c.index_n_heads}, 7);
     if (prefix_total > 0) {
-      const Tensor locs = be_.to_device(make_view(prefix_locs.data(), DType::kI32, Device::kCpu,
-                                                  {prefix_total}));
+      const Tensor locs =
+          be_.to_device(make_view(prefix_locs.data(), DType::kI32, Device::kCpu, {prefix_total}));
       be_.store_kv(set->kv, locs, dev(DType::kBF16, {prefix_total, c.kv_lora_rank}, 8),
                    dev(DType::kBF16, {prefix_total, c.qk_rope_head_dim}, 9));
       be_.store_index_keys(set->ix, locs, dev(DType::kBF16, {prefix_total, c.index_head_dim}, 10));

@@ -32,10 +32,10 @@ struct BenchShape {
 
 // One policy's result on a shape.
 struct PolicyTiming {
-  double ms = 0;                          // median wall time of forward() incl. synchronize
-  int runs = 0;                           // timed calls behind the median
-  Plan plan;                              // the plan the calls took
-  std::map<std::string, double> stages;   // median per-stage ms (same-named stages summed)
+  double ms = 0;                         // median wall time of forward() incl. synchronize
+  int runs = 0;                          // timed calls behind the median
+  Plan plan;                             // the plan the calls took
+  std::map<std::string, double> stages;  // median per-stage ms (same-named stages summed)
 };
 
 // FLOPs of one call through `path` over a batch with these features (DESIGN.md §10 counts:

@@ -29,7 +29,7 @@ enum class AttentionPath : uint8_t;
 
 // Bump when a profile's meaning changes (terms, units) or when kernels change speed enough that
 // old profiles would mislead: profiles with another value are refused as stale.
-inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correction
+inline constexpr int kCostProfileFormat = 2;   // 2: samples stored, local correction
 inline constexpr int kCostKernelRevision = 2;  // 2: dense MHA schedule from the arena
 
 // The terms of the table above; names as written in profiles.
@@ -53,7 +53,7 @@ struct CostFeatures {
 struct CostTerms {
   std::vector<std::string> names;
   std::vector<double> coef_ms;
-  double max_rel_error = 0;  // over the calibration samples
+  double max_rel_error = 0;   // over the calibration samples
   std::vector<CostTerm> ids;  // names parsed (filled by the fit and the reader; else parsed)
   double predict_ms(const CostFeatures& f) const;
 };
@@ -130,7 +130,6 @@ struct CostProfile {
   // Adds `entry`, replacing one with the same key.
   void put(CostEntry entry);
 };
-
 
 // Fits `terms` to (features, ms) pairs by non-negative least squares on relative error.
 CostTerms fit_cost_terms(const std::vector<std::string>& terms,

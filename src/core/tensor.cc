@@ -98,7 +98,8 @@ TensorView make_view(void* data, DType dtype, Device device, const std::vector<i
 
 TensorView slice_rows(const TensorView& v, int64_t begin, int64_t end) {
   DSAKIT_CHECK_ARG(v.ndim >= 1 && begin >= 0 && begin <= end && end <= v.shape[0],
-                   "slice_rows: rows [", begin, ", ", end, ") of a tensor of shape ", v.shape_str());
+                   "slice_rows: rows [", begin, ", ", end, ") of a tensor of shape ",
+                   v.shape_str());
   TensorView s = v;
   s.shape[0] = end - begin;
   if (v.data)

@@ -4,10 +4,10 @@
 
 #include <chrono>
 #include <cmath>
-#include <memory>
-#include <vector>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <vector>
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
@@ -91,9 +91,9 @@ class CpuBackend final : public Backend {
       for (int i = 0; i < runs; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         fn();
-        best = std::min(best, std::chrono::duration<double, std::milli>(
-                                  std::chrono::steady_clock::now() - t0)
-                                  .count());
+        best = std::min(
+            best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                      .count());
       }
       return best;
     };
@@ -106,9 +106,8 @@ class CpuBackend final : public Backend {
     const int n = 2048;
     std::vector<float> a(size_t(n) * n, 0.5f), b(size_t(n) * n, 0.25f), o(size_t(n) * n);
     cpu::ScopedBlasThreads blas(threads);
-    const double gemm_ms = best_ms(3, [&] {
-      cpu::sgemm(false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, o.data(), n);
-    });
+    const double gemm_ms = best_ms(
+        3, [&] { cpu::sgemm(false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, o.data(), n); });
     c.gemm_tflops = 2.0 * n * double(n) * n / (gemm_ms * 1e-3) / 1e12;
     c.gemm = "OpenBLAS sgemm 2048^3, " + std::to_string(threads) + " threads";
     return c;

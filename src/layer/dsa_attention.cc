@@ -128,8 +128,8 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, const Plan& plan) cons
   const int64_t t = batch.num_new_tokens();
   int64_t seg_max = 0;
   for (const auto& s : plan.segments)
-    seg_max = std::max(seg_max, workspace_bytes(batch.slice(s.first_request, s.num_requests),
-                                                s.path));
+    seg_max =
+        std::max(seg_max, workspace_bytes(batch.slice(s.first_request, s.num_requests), s.path));
   return seg_max + t * c.num_heads * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) +
          4 * t * c.num_heads + 4 * t * c.index_topk;
 }

@@ -39,8 +39,8 @@ CostFeatures CostFeatures::of(const Batch& b, const ModelConfig& c, int first, i
 
 CostTerm parse_cost_term(const std::string& name) {
   static const std::pair<const char*, CostTerm> table[] = {
-      {"1", CostTerm::kOne}, {"R", CostTerm::kR},    {"T", CostTerm::kT},
-      {"N", CostTerm::kN},   {"T*H", CostTerm::kTH}, {"N*H", CostTerm::kNH},
+      {"1", CostTerm::kOne},  {"R", CostTerm::kR},    {"T", CostTerm::kT},
+      {"N", CostTerm::kN},    {"T*H", CostTerm::kTH}, {"N*H", CostTerm::kNH},
       {"C*H", CostTerm::kCH}, {"K*H", CostTerm::kKH}, {"C*Hi", CostTerm::kCHi}};
   for (const auto& [n, t] : table)
     if (name == n) return t;
@@ -126,15 +126,15 @@ CostKey CostKey::of(const std::string& device, const ModelConfig& c, KvLayout la
 
 bool CostKey::matches(const CostKey& o) const {
   return device == o.device && heads == o.heads && d_nope == o.d_nope && d_rope == o.d_rope &&
-         d_v == o.d_v && d_c == o.d_c && index_heads == o.index_heads &&
-         index_dim == o.index_dim && index_topk == o.index_topk && layout == o.layout;
+         d_v == o.d_v && d_c == o.d_c && index_heads == o.index_heads && index_dim == o.index_dim &&
+         index_topk == o.index_topk && layout == o.layout;
 }
 
 std::string CostKey::describe() const {
   std::ostringstream os;
   os << "'" << device << "', " << model << " H=" << heads << " (d_nope/d_rope/d_v/d_c " << d_nope
-     << "/" << d_rope << "/" << d_v << "/" << d_c << ", indexer " << index_heads << "x"
-     << index_dim << " top-" << index_topk << "), " << layout << " pool";
+     << "/" << d_rope << "/" << d_v << "/" << d_c << ", indexer " << index_heads << "x" << index_dim
+     << " top-" << index_topk << "), " << layout << " pool";
   return os.str();
 }
 
@@ -211,8 +211,8 @@ CostTerms terms_from(const json& j, const std::vector<std::string>& expected, co
   DSAKIT_CHECK_ARG(j.is_object() && j.contains("coef_ms") && j["coef_ms"].is_object(), what,
                    ": expected an object with coef_ms");
   for (const auto& [name, v] : j["coef_ms"].items()) {
-    DSAKIT_CHECK_ARG(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() >= 0,
-                     what, ".", name, ": expected a finite coefficient >= 0");
+    DSAKIT_CHECK_ARG(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() >= 0, what,
+                     ".", name, ": expected a finite coefficient >= 0");
     parse_cost_term(name);  // throws for an unknown term
     t.names.push_back(name);
     t.coef_ms.push_back(v.get<double>());
@@ -235,11 +235,16 @@ std::string CostProfile::to_json() const {
   j["kernel_revision"] = kernel_revision;
   j["entries"] = json::array();
   for (const auto& e : entries) {
-    json k = {{"device", e.key.device},          {"model", e.key.model},
-              {"heads", e.key.heads},            {"d_nope", e.key.d_nope},
-              {"d_rope", e.key.d_rope},          {"d_v", e.key.d_v},
-              {"d_c", e.key.d_c},                {"index_heads", e.key.index_heads},
-              {"index_dim", e.key.index_dim},    {"index_topk", e.key.index_topk},
+    json k = {{"device", e.key.device},
+              {"model", e.key.model},
+              {"heads", e.key.heads},
+              {"d_nope", e.key.d_nope},
+              {"d_rope", e.key.d_rope},
+              {"d_v", e.key.d_v},
+              {"d_c", e.key.d_c},
+              {"index_heads", e.key.index_heads},
+              {"index_dim", e.key.index_dim},
+              {"index_topk", e.key.index_topk},
               {"layout", e.key.layout}};
     json je = {{"key", k}, {"created", e.created}};
     je["samples"] = json::array();
@@ -428,11 +433,10 @@ bool solve_subset(const std::vector<std::vector<double>>& a, const std::vector<d
 }  // namespace
 
 CostTerms fit_cost_terms(const std::vector<std::string>& terms,
-                         const std::vector<CostFeatures>& features,
-                         const std::vector<double>& ms) {
+                         const std::vector<CostFeatures>& features, const std::vector<double>& ms) {
   DSAKIT_CHECK_ARG(features.size() == ms.size() && !ms.empty(),
-                   "cost fit: expected one time per sample, got ", features.size(),
-                   " samples and ", ms.size(), " times");
+                   "cost fit: expected one time per sample, got ", features.size(), " samples and ",
+                   ms.size(), " times");
   DSAKIT_CHECK_ARG(terms.size() <= 12, "cost fit: at most 12 terms, got ", terms.size());
   for (double t : ms)
     DSAKIT_CHECK_ARG(std::isfinite(t) && t > 0, "cost fit: times must be finite and > 0, got ", t);

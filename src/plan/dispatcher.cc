@@ -156,7 +156,6 @@ RuleCheck check_rules(const Batch& b, const ModelConfig& c, KvLayout layout,
   return {0, os.str()};
 }
 
-
 std::string fmt_ms(double ms) {
   std::ostringstream os;
   os.setf(std::ios::fixed);
@@ -225,8 +224,8 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
     if (runs.size() < 2) runs.clear();
   }
 
-  const bool dense = plan.predicted_dense_ms >= 0 &&
-                     plan.predicted_dense_ms <= plan.predicted_sparse_ms;
+  const bool dense =
+      plan.predicted_dense_ms >= 0 && plan.predicted_dense_ms <= plan.predicted_sparse_ms;
   const double whole = dense ? plan.predicted_dense_ms : plan.predicted_sparse_ms;
   if (!runs.empty() && runs_ms < whole) {
     plan.path = AttentionPath::kMixed;

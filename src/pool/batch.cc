@@ -33,11 +33,10 @@ ForwardMode parse_forward_mode(const std::string& name) {
 
 Batch Batch::slice(int first, int count) const {
   DSAKIT_CHECK_ARG(first >= 0 && count >= 0 && first + count <= num_requests(),
-                   "Batch::slice: requests [", first, ", ", first + count, ") of ",
-                   num_requests());
-  DSAKIT_CHECK_ARG(extend_lens.size() == prefix_lens.size() &&
-                       page_tables.size() == prefix_lens.size(),
-                   "Batch::slice: prefix_lens, extend_lens and page_tables differ in size");
+                   "Batch::slice: requests [", first, ", ", first + count, ") of ", num_requests());
+  DSAKIT_CHECK_ARG(
+      extend_lens.size() == prefix_lens.size() && page_tables.size() == prefix_lens.size(),
+      "Batch::slice: prefix_lens, extend_lens and page_tables differ in size");
   Batch b = *this;
   auto cut = [&](auto& v) {
     v.erase(v.begin() + first + count, v.end());

@@ -22,12 +22,12 @@ __global__ void sum_kernel(const __nv_bfloat16* c, int n, float* out) {
   atomicAdd(out, s);
 }
 
-#define PROBE_CHECK(x)                                             \
-  do {                                                             \
-    if (!(x)) {                                                    \
-      std::fprintf(stderr, "initcheck_probe: %s failed\n", #x);    \
-      return 3;                                                    \
-    }                                                              \
+#define PROBE_CHECK(x)                                          \
+  do {                                                          \
+    if (!(x)) {                                                 \
+      std::fprintf(stderr, "initcheck_probe: %s failed\n", #x); \
+      return 3;                                                 \
+    }                                                           \
   } while (0)
 
 }  // namespace
@@ -52,11 +52,10 @@ int main(int argc, char** argv) {
   cublasHandle_t h;
   PROBE_CHECK(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS);
   const float one = 1, zero = 0;
-  PROBE_CHECK(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &one, da, CUDA_R_16BF,
-                                         m, int64_t(m) * k, db, CUDA_R_16BF, k, int64_t(k) * n,
-                                         &zero, dc, CUDA_R_16BF, m, int64_t(m) * n, heads,
-                                         CUBLAS_COMPUTE_32F,
-                                         CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS);
+  PROBE_CHECK(cublasGemmStridedBatchedEx(
+                  h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &one, da, CUDA_R_16BF, m, int64_t(m) * k,
+                  db, CUDA_R_16BF, k, int64_t(k) * n, &zero, dc, CUDA_R_16BF, m, int64_t(m) * n,
+                  heads, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS);
   sum_kernel<<<1, 256>>>(dc, int(c_elems), dsum);
   PROBE_CHECK(cudaDeviceSynchronize() == cudaSuccess);
   std::vector<__nv_bfloat16> c(c_elems);

@@ -177,12 +177,13 @@ TEST(CostEntryPrediction, LocalCorrectionPullsTowardNearbySamples) {
   // At the sample: within the shrinkage of the measurement.
   EXPECT_NEAR(e.predict_ms(AttentionPath::kDenseMha, fn) / (3 * lin_near), 1.0, 0.08);
   // Far from the slow sample (and at the agreeing one): the linear model.
-  EXPECT_NEAR(e.predict_ms(AttentionPath::kDenseMha, ff) / e.linear_ms(AttentionPath::kDenseMha, ff),
-              1.0, 1e-3);
+  EXPECT_NEAR(
+      e.predict_ms(AttentionPath::kDenseMha, ff) / e.linear_ms(AttentionPath::kDenseMha, ff), 1.0,
+      1e-3);
   // Half an octave away in positions: part of the way.
   const CostFeatures mid = CostFeatures::of(make_batch({int32_t(1500 * 1.41)}, {8}), c);
-  const double r = e.predict_ms(AttentionPath::kDenseMha, mid) /
-                   e.linear_ms(AttentionPath::kDenseMha, mid);
+  const double r =
+      e.predict_ms(AttentionPath::kDenseMha, mid) / e.linear_ms(AttentionPath::kDenseMha, mid);
   EXPECT_GT(r, 1.5);
   EXPECT_LT(r, 3.0);
   // The sparse path has no samples: untouched.
