@@ -109,11 +109,7 @@ std::string group_name(const ModelConfig& c, KvLayout layout) {
 bool mode_allowed(DispatchMode mode, const BenchShape& s, const ModelConfig& c,
                   const Capabilities& caps) {
   if (mode != DispatchMode::kDense) return true;
-  if (s.max_len() > c.index_topk || !caps.dense_mha) return false;
-  if (caps.dense_head_dims.empty()) return true;
-  const std::array<int, 3> dims{c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim};
-  return std::find(caps.dense_head_dims.begin(), caps.dense_head_dims.end(), dims) !=
-         caps.dense_head_dims.end();
+  return s.max_len() <= c.index_topk && dense_mha_available(caps, c);
 }
 
 // ---- grids -----------------------------------------------------------------------------------

@@ -74,6 +74,9 @@ struct Plan {
   AttentionPath path_of(int request) const;  // the path request `request` takes
 };
 
+// Whether `caps` has a dense MHA kernel for the model's head dims (rule 3).
+bool dense_mha_available(const Capabilities& caps, const ModelConfig& config);
+
 // Throws Error(kInvalidArgument) for a policy that cannot be honoured (e.g. a threshold above
 // index_topk without allow_approximation, forced dense on a backend without a dense path).
 Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,

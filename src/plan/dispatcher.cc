@@ -24,6 +24,14 @@ const char* to_string(AttentionPath path) {
   return "?";
 }
 
+bool dense_mha_available(const Capabilities& caps, const ModelConfig& c) {
+  if (!caps.dense_mha) return false;
+  if (caps.dense_head_dims.empty()) return true;  // any head dims (the CPU backend)
+  const std::array<int, 3> dims{c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim};
+  return std::find(caps.dense_head_dims.begin(), caps.dense_head_dims.end(), dims) !=
+         caps.dense_head_dims.end();
+}
+
 AttentionPath Plan::path_of(int request) const {
   for (const auto& s : segments)
     if (request >= s.first_request && request < s.first_request + s.num_requests) return s.path;
@@ -107,14 +115,6 @@ struct RuleCheck {
   std::string why;
 };
 
-// Whether the backend has a dense kernel for the model's head dims (empty list: any).
-bool has_dense_instance(const Capabilities& caps, const ModelConfig& c) {
-  if (caps.dense_head_dims.empty()) return true;
-  const std::array<int, 3> dims{c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim};
-  return std::find(caps.dense_head_dims.begin(), caps.dense_head_dims.end(), dims) !=
-         caps.dense_head_dims.end();
-}
-
 // The eight conditions of §5 in order; the first one that fails decides.
 RuleCheck check_rules(const Batch& b, const ModelConfig& c, KvLayout layout,
                       const Capabilities& caps, int64_t threshold, int64_t capacity) {
@@ -129,7 +129,7 @@ RuleCheck check_rules(const Batch& b, const ModelConfig& c, KvLayout layout,
     os << "rule 3: no dense MHA path on " << caps.device_name;
     return {3, os.str()};
   }
-  if (!has_dense_instance(caps, c)) {
+  if (!dense_mha_available(caps, c)) {
     os << "rule 3: no dense MHA kernel for d_nope/d_rope/d_v = " << c.qk_nope_head_dim << "/"
        << c.qk_rope_head_dim << "/" << c.v_head_dim << " on " << caps.device_name;
     return {3, os.str()};
@@ -283,7 +283,7 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
       break;
     case DispatchMode::kDense: {
       DSAKIT_CHECK(
-          caps.dense_mha && has_dense_instance(caps, config), kUnsupported,
+          dense_mha_available(caps, config), kUnsupported,
           "dispatch=dense: no dense MHA kernel for d_nope/d_rope/d_v = ", config.qk_nope_head_dim,
           "/", config.qk_rope_head_dim, "/", config.v_head_dim, " on ", caps.device_name);
       DSAKIT_CHECK_ARG(max_len <= k || policy.allow_approximation,
