@@ -261,7 +261,9 @@ void print_summary(const json& summary) {
   fmt::print(
       "\nsummary (speed-up = always-sparse ms / mode ms; oracle = faster of dense and "
       "sparse measured)\n");
-  for (const auto& [name, s] : summary.items()) {
+  for (const auto& item : summary.items()) {
+    const std::string& name = item.key();
+    const json& s = item.value();
     auto num = [&](const char* k) {
       return s[k].is_null() ? std::string("-") : fmt::format("{:.2f}", s[k].get<double>());
     };
