@@ -18,21 +18,17 @@
 
 namespace dsakit::cpu {
 
-// Sets OpenBLAS's thread count for the guard's lifetime and restores the previous count. The
-// count is process-wide: concurrent kernels on several host threads all ask for 1, so they agree.
+// Holds OpenBLAS's (process-wide) thread count at `threads` while any guard is alive: the first
+// guard to enter saves the count and sets it, the last to leave restores it, so concurrent CPU
+// kernels on several host threads (all asking for 1) never see it change under them. A guard
+// asking for another count while others are alive keeps theirs (only the benchmark's ceiling
+// GEMM asks for more than 1).
 class ScopedBlasThreads {
  public:
-  explicit ScopedBlasThreads(int threads) : previous_(openblas_get_num_threads()) {
-    if (previous_ != threads) openblas_set_num_threads(threads);
-  }
-  ~ScopedBlasThreads() {
-    if (openblas_get_num_threads() != previous_) openblas_set_num_threads(previous_);
-  }
+  explicit ScopedBlasThreads(int threads);
+  ~ScopedBlasThreads();
   ScopedBlasThreads(const ScopedBlasThreads&) = delete;
   ScopedBlasThreads& operator=(const ScopedBlasThreads&) = delete;
-
- private:
-  int previous_;
 };
 
 // Row-major C[m, n] = alpha · A[m, k] · op(B) + beta · C, op(B) = B [k, n] or B^T with B [n, k].
