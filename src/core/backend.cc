@@ -2,7 +2,6 @@
 #include "dsakit/backend.h"
 
 #include "dsakit/error.h"
-#include "src/cuda/attention/dense_dims.h"
 
 namespace dsakit {
 
@@ -32,8 +31,10 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.dense_mha = sm_arch == 90 || sm_arch == 100;  // DESIGN.md §5 rule 3
   c.dense_kv_visible = false;
   c.intermediate_dtype = DType::kBF16;
-  // The compiled dense instances: the one list the kernel dispatch also expands.
-  c.dense_head_dims.assign(cuda::kDenseMhaDims.begin(), cuda::kDenseMhaDims.end());
+  // The compiled dense instances: src/cuda/sm90/prefill/dense_mha/instantiations/*.cu, dispatched
+  // by dispatch_dense_dims (src/cuda/attention/dispatch.h); keep the two lists equal
+  // (tests/cuda/test_cuda_attention.cc runs both shapes).
+  c.dense_head_dims = {{128, 64, 128}, {192, 64, 256}};
   return c;
 }
 

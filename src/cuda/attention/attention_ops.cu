@@ -163,7 +163,7 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
   });
   DSAKIT_CHECK(launch != nullptr, kUnsupported, kOp, ": requires (d_nope, d_rope, d_v) = (", d_nope,
                ", ", d_rope, ", ", d_v, "); the CUDA kernels support ",
-               cuda::dense_mha_dims_str());
+               cuda::attention::kDenseMhaSupportedDims);
 
   // The schedule travels with the stream: scratch from the caller's stream-ordered arena, copy,
   // launch.

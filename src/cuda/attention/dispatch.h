@@ -7,7 +7,6 @@
 #include <type_traits>
 
 #include "dsakit/pool.h"
-#include "src/cuda/attention/dense_dims.h"
 
 namespace dsakit::cuda::attention {
 
@@ -30,17 +29,21 @@ bool dispatch_heads_per_cta(int heads_per_cta, F&& f) {
   }
 }
 
-// Dense MHA (d_nope, d_rope, d_v): the instances listed in dense_dims.h.
+// Dense MHA (d_nope, d_rope, d_v): DeepSeek-V3.2 (128, 64, 128) and GLM-5 (192, 64, 256).
+inline constexpr const char* kDenseMhaSupportedDims = "(128, 64, 128), (192, 64, 256)";
+
 template <typename F>
 bool dispatch_dense_dims(int d_nope, int d_rope, int d_v, F&& f) {
-#define DSAKIT_DENSE_DIMS_CASE(n, r, v)                                   \
-  if (d_nope == n && d_rope == r && d_v == v) {                           \
-    f(std::integral_constant<int, n>{}, std::integral_constant<int, r>{}, \
-      std::integral_constant<int, v>{});                                  \
-    return true;                                                          \
+  if (d_nope == 128 && d_rope == 64 && d_v == 128) {
+    f(std::integral_constant<int, 128>{}, std::integral_constant<int, 64>{},
+      std::integral_constant<int, 128>{});
+    return true;
   }
-  DSAKIT_DENSE_MHA_DIMS(DSAKIT_DENSE_DIMS_CASE)
-#undef DSAKIT_DENSE_DIMS_CASE
+  if (d_nope == 192 && d_rope == 64 && d_v == 256) {
+    f(std::integral_constant<int, 192>{}, std::integral_constant<int, 64>{},
+      std::integral_constant<int, 256>{});
+    return true;
+  }
   return false;
 }
 
