@@ -3,6 +3,8 @@
 // Parallel over OpenMP with ctx.threads threads; GEMMs through CBLAS (OpenBLAS).
 #pragma once
 
+#include <array>
+
 #include "dsakit/backend.h"
 
 namespace dsakit::cpu {
@@ -18,6 +20,10 @@ void gather_kv(const CpuContext& ctx, const PagedKvPool& pool, const TensorView&
                const TensorView& c_kv, const TensorView& k_pe);
 void store_index_keys(const CpuContext& ctx, IndexKeyPool& pool, const TensorView& locs,
                       const TensorView& idx_k);
+// e4m3 code -> fp32 value for all 256 codes (0x7F, 0xFF -> NaN), built once from e4m3_to_f32 and
+// immutable afterwards: one load per value instead of the branchy field decode (the fp8 gather's
+// and the indexer's hot loops).
+const std::array<float, 256>& e4m3_values();
 
 // indexer/indexer.cc
 void indexer_quantize_q(const CpuContext& ctx, const TensorView& idx_q, const TensorView& idx_w,

@@ -45,16 +45,6 @@ int64_t workspace_bytes() {
   return int64_t(v);
 }
 
-// e4m3 code -> value, for all 256 codes (0x7F, 0xFF -> NaN).
-const std::array<float, 256>& e4m3_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[size_t(c)] = e4m3_to_f32(uint8_t(c));
-    return t;
-  }();
-  return table;
-}
-
 // Addressing of the index-key pool (include/dsakit/pool.h): location loc is slot
 // loc % page_size of page loc / page_size; a page holds page_size·d_i e4m3 codes, then
 // page_size fp32 scales.

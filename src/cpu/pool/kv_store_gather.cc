@@ -42,17 +42,6 @@ Out to_out(float v) {
   }
 }
 
-// e4m3 code -> fp32 value, built once from e4m3_to_f32 and immutable afterwards: one load per
-// value instead of the branchy field decode (the fp8 gather's hot loop).
-const std::array<float, 256>& e4m3_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[size_t(c)] = e4m3_to_f32(uint8_t(c));
-    return t;
-  }();
-  return table;
-}
-
 // value = e4m3(code) * scale, the product rounded to fp32 (then to Out).
 template <typename Out>
 void dequantize_values(const uint8_t* codes, int n, float scale, Out* out) {
@@ -179,6 +168,15 @@ void store_index_keys(const CpuContext& ctx, IndexKeyPool& pool, const TensorVie
     quantize_values(x, d.d_i, scale, page_base + slot * d.d_i);
     std::memcpy(page_base + int64_t(d.page_size) * d.d_i + slot * 4, &scale, 4);
   }
+}
+
+const std::array<float, 256>& e4m3_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[size_t(c)] = e4m3_to_f32(uint8_t(c));
+    return t;
+  }();
+  return table;
 }
 
 }  // namespace dsakit::cpu
