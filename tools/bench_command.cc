@@ -14,13 +14,13 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
+#include "src/core/files.h"
 #include "tools/cli_common.h"
 #include "tools/measure.h"
 
@@ -87,18 +87,6 @@ std::string today() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
   return buf;
-}
-
-void write_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    DSAKIT_CHECK_ARG(f.good(), "cannot write ", tmp);
-    f << text;
-    DSAKIT_CHECK_ARG(f.good(), "write to ", tmp, " failed");
-  }
-  DSAKIT_CHECK_ARG(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ",
-                   path);
 }
 
 std::string group_name(const ModelConfig& c, KvLayout layout) {
@@ -450,7 +438,7 @@ int bench_command(const BenchOptions& o) {
           }
         }
         doc["rows"].push_back(row);
-        if (!json_path.empty()) write_atomic(json_path, doc.dump(1) + "\n");
+        if (!json_path.empty()) detail::write_file_atomic(json_path, doc.dump(1) + "\n", "--json");
 
         auto cell = [&](const char* m, bool letter) {
           if (!jm.contains(m)) return std::string("-");
@@ -481,7 +469,7 @@ int bench_command(const BenchOptions& o) {
   doc["complete"] = !interrupted;
   if (interrupted) doc["interrupted"] = true;
   doc["summary"] = summarize(doc["rows"]);
-  if (!json_path.empty()) write_atomic(json_path, doc.dump(1) + "\n");
+  if (!json_path.empty()) detail::write_file_atomic(json_path, doc.dump(1) + "\n", "--json");
   print_summary(doc["summary"]);
   if (interrupted) {
     std::fprintf(stderr, "dsakit bench: interrupted after %zu of %zu shapes%s%s\n", done, total,

@@ -3,13 +3,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "dsakit/error.h"
 #include "dsakit/plan.h"
+#include "src/core/files.h"
 
 namespace dsakit {
 
@@ -358,15 +358,7 @@ CostProfile CostProfile::load(const std::string& path) {
 }
 
 void CostProfile::save(const std::string& path) const {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    DSAKIT_CHECK_ARG(f.good(), "cost profile ", path, ": cannot write ", tmp);
-    f << to_json();
-    DSAKIT_CHECK_ARG(f.good(), "cost profile ", path, ": write failed");
-  }
-  DSAKIT_CHECK_ARG(std::rename(tmp.c_str(), path.c_str()) == 0, "cost profile ", path,
-                   ": cannot rename ", tmp);
+  detail::write_file_atomic(path, to_json(), "cost profile");
 }
 
 const CostEntry& CostProfile::find(const CostKey& key) const {
