@@ -99,10 +99,10 @@ struct CostEntry {
   double linear_ms(AttentionPath path, const CostFeatures& f) const;
   double predict_ms(AttentionPath path, const CostFeatures& f) const;
 
-  // Caches each sample's log2 features and log residual against the fits, so predict_ms() is a
-  // few µs for a whole plan (the planner runs on every layer call). The reader, the fit and
-  // CostProfile::put() call it; without it (samples edited by hand) predict_ms() computes the
-  // same values directly.
+  // Caches each sample's log2 features and log residual against the fits (and the terms' ids),
+  // so predict_ms() is a few µs for a whole plan (the planner runs on every layer call). The
+  // reader, the fit and CostProfile::put() call it; after editing samples or fits by hand, call
+  // it again: predict_ms() corrects with the cached neighbours only.
   void prepare();
   struct Neighbor {
     AttentionPath path;

@@ -148,18 +148,6 @@ double log2_at_least_1(double v) {
   return std::log2(std::max(v, 1.0));
 }
 
-std::vector<CostEntry::Neighbor> neighbors_of(const CostEntry& e) {
-  std::vector<CostEntry::Neighbor> out;
-  for (const CostSample& s : e.samples) {
-    const double base = e.linear_ms(s.path, s.features);
-    if (s.ms <= 0 || base <= 0) continue;
-    out.push_back({s.path, log2_at_least_1(s.features.tokens),
-                   log2_at_least_1(s.features.positions), log2_at_least_1(s.features.requests),
-                   std::log(s.ms / base)});
-  }
-  return out;
-}
-
 }  // namespace
 
 void CostEntry::prepare() {
@@ -167,23 +155,27 @@ void CostEntry::prepare() {
     t->ids.clear();
     for (const auto& n : t->names) t->ids.push_back(parse_cost_term(n));
   }
-  neighbors = neighbors_of(*this);
+  neighbors.clear();
+  for (const CostSample& s : samples) {
+    const double base = linear_ms(s.path, s.features);
+    if (s.ms <= 0 || base <= 0) continue;
+    neighbors.push_back({s.path, log2_at_least_1(s.features.tokens),
+                         log2_at_least_1(s.features.positions),
+                         log2_at_least_1(s.features.requests), std::log(s.ms / base)});
+  }
 }
 
 double CostEntry::predict_ms(AttentionPath path, const CostFeatures& f) const {
   const double linear = linear_ms(path, f);
-  if (linear <= 0 || samples.empty()) return linear;
+  if (linear <= 0 || neighbors.empty()) return linear;
   // Local correction in log space: Gaussian weights over the distance in octaves of tokens,
   // positions and requests; kShrink is the weight of "no correction" (a sample exactly one
   // sigma away gets ~12x that), so a batch far from every sample keeps the linear model.
   constexpr double kSigma = 0.5, kShrink = 0.05;
-  const std::vector<Neighbor> computed =
-      neighbors.size() == samples.size() ? std::vector<Neighbor>{} : neighbors_of(*this);
-  const std::vector<Neighbor>& near = computed.empty() ? neighbors : computed;
   const double lt = log2_at_least_1(f.tokens), ln = log2_at_least_1(f.positions),
                lr = log2_at_least_1(f.requests);
   double weight = 0, sum = 0;
-  for (const Neighbor& s : near) {
+  for (const Neighbor& s : neighbors) {
     if (s.path != path) continue;
     const double dt = lt - s.log2_tokens, dn = ln - s.log2_positions, dr = lr - s.log2_requests;
     const double d2 = dt * dt + dn * dn + dr * dr;
@@ -330,12 +322,12 @@ CostProfile CostProfile::from_json(const std::string& text, const std::string& s
           DSAKIT_CHECK_ARG(std::isfinite(v) && v >= 0, "sample values must be finite and >= 0");
         e.samples.push_back(smp);
       }
-      e.prepare();
       e.dense = terms_from(je.at("dense"), cost_terms(AttentionPath::kDenseMha), "dense");
       e.sparse = terms_from(je.at("sparse"), cost_terms(AttentionPath::kSparseMla), "sparse");
       if (je.contains("stages") && je["stages"].is_object())
         for (const auto& [name, t] : je["stages"].items())
           e.stages[name] = terms_from(t, {}, name.c_str());
+      e.prepare();  // after the fits: the residuals are against them
       p.entries.push_back(std::move(e));
     } catch (const json::exception& ex) {
       DSAKIT_FAIL(kInvalidArgument, where, ": entry ", p.entries.size(), " is malformed (",

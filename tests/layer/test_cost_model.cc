@@ -174,6 +174,9 @@ TEST(CostEntryPrediction, LocalCorrectionPullsTowardNearbySamples) {
   e.samples.push_back({AttentionPath::kDenseMha, fn, 3 * lin_near, {}});
   e.samples.push_back(
       {AttentionPath::kDenseMha, ff, e.linear_ms(AttentionPath::kDenseMha, ff), {}});
+  // Without prepare() the samples are not consulted yet.
+  EXPECT_DOUBLE_EQ(e.predict_ms(AttentionPath::kDenseMha, fn), lin_near);
+  e.prepare();
   // At the sample: within the shrinkage of the measurement.
   EXPECT_NEAR(e.predict_ms(AttentionPath::kDenseMha, fn) / (3 * lin_near), 1.0, 0.08);
   // Far from the slow sample (and at the agreeing one): the linear model.
