@@ -5,7 +5,10 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
-#include <sstream>
+#include <iterator>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "dsakit/error.h"
 #include "dsakit/plan.h"
@@ -115,53 +118,41 @@ struct RuleCheck {
   std::string why;
 };
 
-// The eight conditions of §5 in order; the first one that fails decides.
+// The eight conditions of §5 in order; the first one that fails decides. `why` is filled only
+// when asked (cost mode calls this on every plan and needs the rule number alone).
 RuleCheck check_rules(const Batch& b, const ModelConfig& c, KvLayout layout,
-                      const Capabilities& caps, int64_t threshold, int64_t capacity) {
-  std::ostringstream os;
-  if (b.cuda_graph) return {1, "rule 1: CUDA graph capture/replay cannot branch on host lengths"};
-  if (b.mode != ForwardMode::kExtend || b.speculative) {
-    os << "rule 2: mode " << to_string(b.mode)
-       << (b.speculative ? " with speculative decoding" : "") << " always uses sparse MLA";
-    return {2, os.str()};
-  }
-  if (!caps.dense_mha) {
-    os << "rule 3: no dense MHA path on " << caps.device_name;
-    return {3, os.str()};
-  }
-  if (!dense_mha_available(caps, c)) {
-    os << "rule 3: no dense MHA kernel for d_nope/d_rope/d_v = " << c.qk_nope_head_dim << "/"
-       << c.qk_rope_head_dim << "/" << c.v_head_dim << " on " << caps.device_name;
-    return {3, os.str()};
-  }
+                      const Capabilities& caps, int64_t threshold, int64_t capacity,
+                      bool explain = true) {
+  auto fail = [&]<typename... Args>(int rule, fmt::format_string<Args...> what, Args&&... args) {
+    RuleCheck r{rule, {}};
+    if (explain) r.why = fmt::format(what, std::forward<Args>(args)...);
+    return r;
+  };
+  if (b.cuda_graph)
+    return fail(1, "rule 1: CUDA graph capture/replay cannot branch on host lengths");
+  if (b.mode != ForwardMode::kExtend || b.speculative)
+    return fail(2, "rule 2: mode {}{} always uses sparse MLA", to_string(b.mode),
+                b.speculative ? " with speculative decoding" : "");
+  if (!caps.dense_mha) return fail(3, "rule 3: no dense MHA path on {}", caps.device_name);
+  if (!dense_mha_available(caps, c))
+    return fail(3, "rule 3: no dense MHA kernel for d_nope/d_rope/d_v = {}/{}/{} on {}",
+                c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, caps.device_name);
   const int64_t max_len = b.max_kv_len();
-  if (max_len > threshold) {
-    os << "rule 4: max L_r = " << max_len << " > threshold " << threshold;
-    return {4, os.str()};
-  }
-  if (layout != KvLayout::kBf16 && layout != KvLayout::kFp8Scaled && layout != KvLayout::kFp8Raw) {
-    os << "rule 5: pool layout " << to_string(layout) << " has no dense gather";
-    return {5, os.str()};
-  }
+  if (max_len > threshold)
+    return fail(4, "rule 4: max L_r = {} > threshold {}", max_len, threshold);
+  if (layout != KvLayout::kBf16 && layout != KvLayout::kFp8Scaled && layout != KvLayout::kFp8Raw)
+    return fail(5, "rule 5: pool layout {} has no dense gather", to_string(layout));
   const int64_t total = b.total_kv_len();
-  if (total > capacity) {
-    os << "rule 6: sum L_r = " << total << " > chunk capacity " << capacity;
-    return {6, os.str()};
-  }
-  if (b.context_parallel) return {7, "rule 7: prefill context parallelism is on"};
+  if (total > capacity) return fail(6, "rule 6: sum L_r = {} > chunk capacity {}", total, capacity);
+  if (b.context_parallel) return fail(7, "rule 7: prefill context parallelism is on");
   if (b.hierarchical_sparse_cache)
-    return {8, "rule 8: a host-offloaded sparse KV cache is attached"};
-  os << "all 8 rules hold: max L_r = " << max_len << " <= threshold " << threshold
-     << ", sum L_r = " << total << " <= " << capacity << ", " << to_string(layout) << " pool";
-  return {0, os.str()};
+    return fail(8, "rule 8: a host-offloaded sparse KV cache is attached");
+  return fail(0, "all 8 rules hold: max L_r = {} <= threshold {}, sum L_r = {} <= {}, {} pool",
+              max_len, threshold, total, capacity, to_string(layout));
 }
 
 std::string fmt_ms(double ms) {
-  std::ostringstream os;
-  os.setf(std::ios::fixed);
-  os.precision(ms < 1 ? 3 : 2);
-  os << ms << " ms";
-  return os.str();
+  return ms < 1 ? fmt::format("{:.3f} ms", ms) : fmt::format("{:.2f} ms", ms);
 }
 
 // Cost mode with a profile: the engine-state rules (1-3, 5, 7, 8) still decide whether dense is
@@ -178,15 +169,13 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
     return entry.predict_ms(p, CostFeatures::of(b, c, first, count));
   };
   plan.predicted_sparse_ms = cost(AttentionPath::kSparseMla, 0, n);
-  std::ostringstream os;
-  os << "cost mode: ";
-  const RuleCheck state = check_rules(b, c, layout, caps, INT64_MAX, INT64_MAX);
+  const RuleCheck state = check_rules(b, c, layout, caps, INT64_MAX, INT64_MAX, /*explain=*/false);
   if (state.rule != 0) {
     plan.rule = state.rule;
     plan.path = AttentionPath::kSparseMla;
     plan.predicted_ms = plan.predicted_sparse_ms;
-    os << "sparse MLA: " << state.why;
-    plan.reason = os.str();
+    plan.reason =
+        "cost mode: sparse MLA: " + check_rules(b, c, layout, caps, INT64_MAX, INT64_MAX).why;
     return plan;
   }
   auto len = [&](int r) { return int64_t(b.prefix_lens[size_t(r)]) + b.extend_lens[size_t(r)]; };
@@ -227,36 +216,39 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
   const bool dense =
       plan.predicted_dense_ms >= 0 && plan.predicted_dense_ms <= plan.predicted_sparse_ms;
   const double whole = dense ? plan.predicted_dense_ms : plan.predicted_sparse_ms;
+  std::string& why = plan.reason;
+  auto out = std::back_inserter(why);
+  why = "cost mode: ";
   if (!runs.empty() && runs_ms < whole) {
     plan.path = AttentionPath::kMixed;
     plan.segments = runs;
     plan.predicted_ms = runs_ms;
-    os << "split into " << runs.size() << " runs (";
+    fmt::format_to(out, "split into {} runs (", runs.size());
     for (size_t i = 0; i < runs.size(); ++i) {
       const auto& s = runs[i];
-      os << (i ? ", " : "") << (s.path == AttentionPath::kDenseMha ? "dense" : "sparse") << " r"
-         << s.first_request;
-      if (s.num_requests > 1) os << "-" << s.first_request + s.num_requests - 1;
+      fmt::format_to(out, "{}{} r{}", i ? ", " : "",
+                     s.path == AttentionPath::kDenseMha ? "dense" : "sparse", s.first_request);
+      if (s.num_requests > 1) fmt::format_to(out, "-{}", s.first_request + s.num_requests - 1);
     }
-    os << ") predicted " << fmt_ms(runs_ms) << " < whole batch ";
+    fmt::format_to(out, ") predicted {} < whole batch ", fmt_ms(runs_ms));
   } else {
     plan.path = dense ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
     plan.predicted_ms = whole;
-    os << (dense ? "dense MHA" : "sparse MLA") << " predicted ";
+    why += dense ? "dense MHA predicted " : "sparse MLA predicted ";
   }
-  os << "dense " << (plan.predicted_dense_ms >= 0 ? fmt_ms(plan.predicted_dense_ms) : "not exact")
-     << ", sparse " << fmt_ms(plan.predicted_sparse_ms);
+  fmt::format_to(out, "dense {}, sparse {}",
+                 plan.predicted_dense_ms >= 0 ? fmt_ms(plan.predicted_dense_ms) : "not exact",
+                 fmt_ms(plan.predicted_sparse_ms));
   if (plan.predicted_dense_ms < 0) {
     const int32_t max_len = b.max_kv_len();
     if (max_len > threshold)
-      os << " (max L_r = " << max_len << " > " << threshold << ")";
+      fmt::format_to(out, " (max L_r = {} > {})", max_len, threshold);
     else
-      os << " (sum L_r = " << b.total_kv_len() << " > chunk capacity " << policy.chunk_capacity
-         << ")";
+      fmt::format_to(out, " (sum L_r = {} > chunk capacity {})", b.total_kv_len(),
+                     policy.chunk_capacity);
   }
-  os << "; profile " << entry.key.device << " " << entry.key.model << " H=" << entry.key.heads
-     << " " << entry.key.layout;
-  plan.reason = os.str();
+  fmt::format_to(out, "; profile {} {} H={} {}", entry.key.device, entry.key.model, entry.key.heads,
+                 entry.key.layout);
   return plan;
 }
 }  // namespace
@@ -275,11 +267,11 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
 
   Plan plan;
   plan.mode = policy.mode;
-  std::ostringstream os;
+  std::string why;
   switch (policy.mode) {
     case DispatchMode::kSparse:
       plan.path = AttentionPath::kSparseMla;
-      os << "forced sparse MLA (dispatch=sparse), max L_r = " << max_len;
+      why = fmt::format("forced sparse MLA (dispatch=sparse), max L_r = {}", max_len);
       break;
     case DispatchMode::kDense: {
       DSAKIT_CHECK(
@@ -290,13 +282,13 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
                        "dispatch=dense: max L_r = ", max_len, " > index_topk ", k,
                        " makes dense an approximation of the model; opt in explicitly to allow it");
       plan.path = AttentionPath::kDenseMha;
-      os << "forced dense MHA (dispatch=dense), max L_r = " << max_len;
+      why = fmt::format("forced dense MHA (dispatch=dense), max L_r = {}", max_len);
       break;
     }
     case DispatchMode::kCost:
       if (policy.profile) {
         plan = plan_by_cost(batch, config, layout, caps, policy, threshold);
-        os << plan.reason;
+        why = std::move(plan.reason);
         break;
       }
       [[fallthrough]];
@@ -306,8 +298,9 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
       plan.rule = c.rule;
       plan.path = c.rule == 0 ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
       if (policy.mode == DispatchMode::kCost)
-        os << "cost mode has no calibration profile, fell back to rule mode: ";
-      os << (c.rule == 0 ? "dense MHA: " : "sparse MLA: ") << c.why;
+        why = "cost mode has no calibration profile, fell back to rule mode: ";
+      why += c.rule == 0 ? "dense MHA: " : "sparse MLA: ";
+      why += c.why;
       break;
     }
   }
@@ -318,8 +311,10 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
       for (int r = seg.first_request; r < seg.first_request + seg.num_requests; ++r)
         plan.approximate |= batch.prefix_lens[size_t(r)] + batch.extend_lens[size_t(r)] > k;
   if (plan.approximate)
-    os << " (APPROXIMATE: contexts longer than index_topk " << k << ", opted in)";
-  plan.reason = os.str() + suffix(policy);
+    fmt::format_to(std::back_inserter(why),
+                   " (APPROXIMATE: contexts longer than index_topk {}, opted in)", k);
+  why += suffix(policy);
+  plan.reason = std::move(why);
   return plan;
 }
 
