@@ -164,7 +164,10 @@ void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi, const Laye
   Tensor q_abs = be.empty(mid, {t, h, c.kv_lora_rank});
   stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj_, c.v_head_dim, q_abs); });
   Tensor o_lat = be.empty(mid, {t, h, c.kv_lora_rank});
-  detail::sparse_attention(be, sm_scale_, kv_pool_, q_abs, in.q_pe, locs, o_lat, lse, stage);
+  // The indexer's rows hold min(ctx_len, k) valid slots first (ascending, -1 padded): ctx_len as
+  // topk_length stops each token there instead of scanning all k slots (the kernels clamp to k).
+  detail::sparse_attention(be, sm_scale_, kv_pool_, q_abs, in.q_pe, locs, o_lat, lse, stage,
+                           ctx_len);
   stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj_, c.qk_nope_head_dim, o); });
 }
 

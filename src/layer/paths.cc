@@ -50,12 +50,14 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
 
 void sparse_attention(Backend& be, double sm_scale, const PagedKvPool& pool,
                       const TensorView& q_abs, const TensorView& q_pe, const TensorView& indices,
-                      const TensorView& o_lat, const TensorView& lse, const StageFn& stage) {
+                      const TensorView& o_lat, const TensorView& lse, const StageFn& stage,
+                      const TensorView& topk_length) {
   SparseMlaArgs a;
   a.q_abs = q_abs;
   a.q_pe = q_pe;
   a.kv = &pool;
   a.indices = indices;
+  a.topk_length = topk_length;
   a.sm_scale = sm_scale;
   a.o_lat = o_lat;
   a.lse = lse;

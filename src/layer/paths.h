@@ -26,8 +26,12 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
 
 // Absorbed sparse attention over pool locations: o_lat [T, H, d_c] and lse [T, H] from
 // q_abs [T, H, d_c], q_pe [T, H, d_rope] and indices i32 [T, k] (pool locations, -1 skipped).
+// topk_length (optional i32 [T]): token t reads only slots [0, topk_length[t]) — pass the
+// per-token context length when the indices are the indexer's (ascending, valid slots first,
+// -1 padded), so a token with ctx_len < k stops after its ctx_len slots.
 void sparse_attention(Backend& be, double sm_scale, const PagedKvPool& pool,
                       const TensorView& q_abs, const TensorView& q_pe, const TensorView& indices,
-                      const TensorView& o_lat, const TensorView& lse, const StageFn& stage);
+                      const TensorView& o_lat, const TensorView& lse, const StageFn& stage,
+                      const TensorView& topk_length = {});
 
 }  // namespace dsakit::detail
