@@ -31,8 +31,8 @@ enum class AttentionPath : uint8_t;
 // old profiles would mislead: profiles with another value are refused as stale.
 inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correction
 // 2: dense MHA schedule from the arena; 3: the layer's sparse MLA stops at each token's
-// context length (topk_length).
-inline constexpr int kCostKernelRevision = 3;
+// context length (topk_length); 4: the layer uploads its index arrays in one copy.
+inline constexpr int kCostKernelRevision = 4;
 
 // The terms of the table above; names as written in profiles.
 enum class CostTerm : uint8_t { kOne, kR, kT, kN, kTH, kNH, kCH, kKH, kCHi };

@@ -15,6 +15,10 @@
 
 namespace dsakit {
 
+namespace detail {
+struct DeviceBatchIndex;  // src/layer/paths.h
+}  // namespace detail
+
 // Per-call inputs, on the layer backend's device; T new tokens in batch (request) order.
 struct LayerInputs {
   TensorView q_nope;  // bf16 [T, H, d_nope]
@@ -86,10 +90,12 @@ class DsaAttention {
   LayerResult forward(const Batch& batch, const LayerInputs& inputs);
 
  private:
-  // One path over the requests `bi` indexes (their new tokens are already stored); `in`, o,
-  // lse and topk hold exactly their rows. topk may be empty for the dense path.
-  void run_path(AttentionPath path, const BatchIndex& bi, const LayerInputs& in,
-                const TensorView& o, const TensorView& lse, const TensorView& topk,
+  // One path over the requests `bi` indexes (their new tokens are already stored; `dev` is bi
+  // on the device); `in`, o, lse and topk hold exactly their rows. topk may be empty for the
+  // dense path.
+  void run_path(AttentionPath path, const BatchIndex& bi, const detail::DeviceBatchIndex& dev,
+                const LayerInputs& in, const TensorView& o, const TensorView& lse,
+                const TensorView& topk,
                 const std::function<void(const char*, const std::function<void()>&)>& stage);
 
   ModelConfig config_;

@@ -206,7 +206,7 @@ LayerResult DcpSimulation::forward(const Batch& batch, const LayerInputs& in) {
     const detail::StageFn run = [](const char*, const std::function<void()>& fn) { fn(); };
     if (dense) {
       detail::dense_path(be, c, sm_scale_, rank.kv, kv_locs, in.q_nope, in.q_pe, kv_b_proj_,
-                         gi.cu_q, l.cu_kv, &l.visible, o_w, lse_w, run);
+                         gi.cu_q, l.cu_kv, {}, {}, &l.visible, o_w, lse_w, run);
     } else {
       std::vector<int32_t> locs(size_t(t * k), -1);
       for (int64_t i = 0; i < t; ++i) {

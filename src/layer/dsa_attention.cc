@@ -12,10 +12,6 @@ namespace dsakit {
 
 namespace {
 
-TensorView host_view(const std::vector<int32_t>& v) {
-  return make_view(const_cast<int32_t*>(v.data()), DType::kI32, Device::kCpu, {int64_t(v.size())});
-}
-
 // Bound on the indexer's row-block buffers (the backends' default indexer workspace).
 constexpr int64_t kIndexerBlockBytes = int64_t(256) << 20;
 
@@ -100,19 +96,19 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
   const auto& c = config_;
   const int64_t t = batch.num_new_tokens(), n = batch.total_kv_len(), h = c.num_heads;
   const int64_t mid = int64_t(dtype_size(backend_.capabilities().intermediate_dtype));
-  // Outputs o, lse; index arrays new_locs [T], kv_locs [N].
-  int64_t bytes =
-      t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h + 4 * (t + n);
+  // Outputs o, lse; the index arrays, uploaded together (detail::DeviceBatchIndex): new_locs,
+  // kv_start, ctx_len [T], kv_locs [N], cu_q, cu_kv [B+1].
+  int64_t bytes = t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h +
+                  4 * (3 * t + n) + 8 * (int64_t(batch.num_requests()) + 1);
   if (path == AttentionPath::kDenseMha) {
-    // c_kv, k_pe of every position; k_nope, v up-projected per head; cu_q, cu_kv.
+    // c_kv, k_pe of every position; k_nope, v up-projected per head.
     bytes += mid * n * (c.kv_lora_rank + c.qk_rope_head_dim) +
-             mid * n * h * (c.qk_nope_head_dim + c.v_head_dim) +
-             8 * (int64_t(batch.num_requests()) + 1);
+             mid * n * h * (c.qk_nope_head_dim + c.v_head_dim);
     return bytes;
   }
-  // kv_start, ctx_len [T]; top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c].
+  // Top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c].
   const int64_t k = c.index_topk;
-  bytes += 8 * t + 8 * t * k + 2 * mid * t * h * c.kv_lora_rank;
+  bytes += 8 * t * k + 2 * mid * t * h * c.kv_lora_rank;
   // Indexer row blocks: q8, gate, per-row offsets, logits over the longest context, selection.
   const int64_t row = int64_t(c.index_n_heads) * (c.index_head_dim + 4) + 8 +
                       4 * int64_t(batch.max_kv_len()) + 4 * k;
@@ -134,24 +130,24 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, const Plan& plan) cons
          4 * t * c.num_heads + 4 * t * c.index_topk;
 }
 
-void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi, const LayerInputs& in,
+void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi,
+                            const detail::DeviceBatchIndex& dev, const LayerInputs& in,
                             const TensorView& o, const TensorView& lse, const TensorView& topk,
                             const detail::StageFn& stage) {
   const auto& c = config_;
   Backend& be = backend_;
-  const Tensor kv_locs = be.to_device(host_view(bi.kv_locs));
+  const TensorView& kv_locs = dev.kv_locs;
   if (path == AttentionPath::kDenseMha) {
     // Dense MHA re-reads every position (prefix included) through the pool format.
     detail::dense_path(be, c, sm_scale_, kv_pool_, kv_locs, in.q_nope, in.q_pe, kv_b_proj_, bi.cu_q,
-                       bi.cu_kv, nullptr, o, lse, stage);
+                       bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, o, lse, stage);
     return;
   }
   // ---- sparse MLA: indexer -> top-k -> absorbed attention -> V up-projection --------------
   const int64_t t = in.q_nope.shape[0], h = c.num_heads;
   const int k = c.index_topk;
   const DType mid = be.capabilities().intermediate_dtype;
-  const Tensor kv_start = be.to_device(host_view(bi.token_kv_start));
-  const Tensor ctx_len = be.to_device(host_view(bi.token_ctx_len));
+  const TensorView &kv_start = dev.kv_start, &ctx_len = dev.ctx_len;
   IndexerArgs layout;
   layout.keys = &index_pool_;
   layout.kv_locs = kv_locs;
@@ -212,7 +208,8 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
   } restore{be, be.set_index_value_checks(false)};
 
   const BatchIndex bi = BatchIndex::build(batch, page_size);
-  const Tensor new_locs = be.to_device(host_view(bi.new_locs));
+  const detail::DeviceBatchIndex dev = detail::DeviceBatchIndex::upload(be, bi);
+  const TensorView& new_locs = dev.new_locs;
 
   // ---- store the new tokens ---------------------------------------------------------------
   stage("store", [&] {
@@ -225,7 +222,7 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
                   [](const PlanSegment& s) { return s.path == AttentionPath::kSparseMla; });
   if (any_sparse) res.topk = be.empty(DType::kI32, {t, c.index_topk});
   if (res.plan.path != AttentionPath::kMixed) {
-    run_path(res.plan.path, bi, in, res.o, res.lse, res.topk, stage);
+    run_path(res.plan.path, bi, dev, in, res.o, res.lse, res.topk, stage);
     return res;
   }
   // ---- mixed: each run of requests through its own path over its rows of the batch --------
@@ -243,8 +240,9 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
     rows.idx_q = slice_rows(in.idx_q, r0, r1);
     rows.idx_k = slice_rows(in.idx_k, r0, r1);
     rows.idx_w = slice_rows(in.idx_w, r0, r1);
-    run_path(s.path, BatchIndex::build(sub, page_size), rows, slice_rows(res.o, r0, r1),
-             slice_rows(res.lse, r0, r1),
+    const BatchIndex sub_bi = BatchIndex::build(sub, page_size);
+    run_path(s.path, sub_bi, detail::DeviceBatchIndex::upload(be, sub_bi), rows,
+             slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
              s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{},
              stage);
   }
