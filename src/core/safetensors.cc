@@ -129,6 +129,9 @@ struct TensorEntry {
 
 TensorEntry parse_tensor_entry(const std::string& name, const json& entry, int64_t data_bytes,
                                const std::string& origin) {
+  // An empty name could be read but never asked for or written back (SafetensorsWriter refuses
+  // it, as it refuses "__metadata__"): reject it here so a file we accept is one we can re-write.
+  DSAKIT_CHECK(!name.empty(), kFormat, origin, ": a tensor has an empty name");
   const std::string where = "tensor '" + name + "'";
   DSAKIT_CHECK(entry.is_object(), kFormat, origin, ": ", where, ": expected an object, got ",
                json_type(entry));

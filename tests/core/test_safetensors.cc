@@ -394,6 +394,12 @@ TEST(SafetensorsMalformed, OverlappingTensors) {
                       4, {"overlap"});
 }
 
+// Found by fuzz_safetensors: an empty tensor name parsed, then the round trip's writer refused it.
+TEST(SafetensorsMalformed, EmptyTensorName) {
+  expect_format_error(R"({"":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 16,
+                      {"a tensor has an empty name"});
+}
+
 TEST(SafetensorsMalformed, DuplicateNames) {
   expect_format_error(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                       R"("a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
