@@ -31,8 +31,9 @@ enum class AttentionPath : uint8_t;
 // old profiles would mislead: profiles with another value are refused as stale.
 inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correction
 // 2: dense MHA schedule from the arena; 3: the layer's sparse MLA stops at each token's
-// context length (topk_length); 4: the layer uploads its index arrays in one copy.
-inline constexpr int kCostKernelRevision = 4;
+// context length (topk_length); 4: the layer uploads its index arrays in one copy; 5: the CUDA
+// indexer skips query quantization and logits when every context fits index_topk.
+inline constexpr int kCostKernelRevision = 5;
 
 // The terms of the table above; names as written in profiles.
 enum class CostTerm : uint8_t { kOne, kR, kT, kN, kTH, kNH, kCH, kKH, kCHi };

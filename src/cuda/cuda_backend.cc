@@ -402,6 +402,16 @@ void CudaBackend::indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
       choose_logits_kernel(indexer_kernel(options_), int(h_i), int(d_i), device_);
   if (tokens == 0) return;
 
+  // n = min(ctx_len, width) <= width for every row (top-k clamps to it), so when the whole kv
+  // range fits in k every row is the identity: no query quantization, no logits, the top-k
+  // kernel alone (it never reads logits for such rows). Decided by shapes, like the plan below.
+  if (layout.kv_locs.numel() <= k) {
+    const TopkParams tp{nullptr, layout.ctx_len.ptr<const int32_t>(),          out.ptr<int32_t>(),
+                        tokens,  std::max<int64_t>(layout.kv_locs.numel(), 1), k};
+    DSAKIT_CUDA_CHECK(launch_topk(tp, stream_));
+    return;
+  }
+
   // The plan depends on shapes only (never on ctx_len values), so an eager run and a captured
   // graph of the same shapes use the same workspace. Width: every row's context fits in
   // kv_locs (kv_start + ctx_len <= N_kv). Rows run in chunks bounded by indexer_chunk_bytes.

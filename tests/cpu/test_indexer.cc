@@ -493,6 +493,27 @@ TEST_P(IndexerTest, IdentityShortcutIgnoresScores) {
   expect_indexer_topk_valid(be(), s, k, i32_values(be(), out));
 }
 
+// Every context of the batch fits k (here the whole kv range, 65 positions, is within k = 80): the
+// CUDA backend then runs the top-k alone, without quantizing queries or computing logits. All
+// queries and weights are NaN, so any score that was read would show.
+TEST_P(IndexerTest, WholeKvRangeWithinKIsAllIdentity) {
+  SCOPED_TRACE(trace());
+  const int k = 80;
+  Scene s = make_scene(be(), rng(), 64, 128, 64, {{0, 20}, {10, 5}, {0, 30}});
+  ASSERT_EQ(s.layout().kv_locs.numel(), 65);
+  const int64_t t = s.num_tokens();
+  std::fill_n(s.idx_q.ptr<bf16_t>(), s.idx_q.numel(), f32_to_bf16(kNaN));
+  std::fill_n(s.idx_w.ptr<float>(), s.idx_w.numel(), kNaN);
+  const Tensor out = poisoned(be(), DType::kI32, {t, k});
+  be().indexer_topk(be().to_device(s.idx_q), be().to_device(s.idx_w), s.layout(), k, out);
+  const std::vector<int32_t> got = i32_values(be(), out);
+  for (int64_t i = 0; i < t; ++i) {
+    const int32_t ctx = s.index.token_ctx_len[size_t(i)];
+    SCOPED_TRACE("token " + std::to_string(i) + " ctx_len " + std::to_string(ctx));
+    for (int j = 0; j < k; ++j) ASSERT_EQ(got[size_t(i * k + j)], j < ctx ? j : -1) << "slot " << j;
+  }
+}
+
 TEST_P(IndexerTest, BoundedWorkspaceGivesTheSameResult) {
   SCOPED_TRACE(trace());
   const int k = 64;

@@ -46,7 +46,8 @@ struct IndexerLogitsParams {
 };
 
 struct TopkParams {
-  const float* logits;     // [rows, width]; only entries [0, ctx_len) of a row are read
+  const float* logits;     // [rows, width]; only entries [0, ctx_len) of a row are read (rows
+                           // with ctx_len <= k read none: null is allowed when width <= k)
   const int32_t* ctx_len;  // [rows], clamped to [0, width]
   int32_t* out;            // [rows, k] ascending positions, -1 padded
   int64_t rows;

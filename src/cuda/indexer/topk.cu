@@ -81,13 +81,13 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   __shared__ RadixState state;
 
   const int64_t row = blockIdx.x;
-  const float* x = p.logits + row * p.width;
   int32_t* out = p.out + row * int64_t(p.k);
   const int64_t n = min(max(int64_t(p.ctx_len[row]), int64_t(0)), p.width);
-  if (n <= p.k) {  // identity: every visible position
+  if (n <= p.k) {  // identity: every visible position (p.logits may be null when width <= k)
     for (int j = threadIdx.x; j < p.k; j += kThreads) out[j] = j < n ? j : -1;
     return;
   }
+  const float* x = p.logits + row * p.width;
 
   if (threadIdx.x == 0) state = RadixState{0u, p.k};
   for (int shift = 32 - kRadixBits; shift >= 0; shift -= kRadixBits) {
