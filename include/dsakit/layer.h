@@ -82,7 +82,8 @@ class DsaAttention {
   // indexer's row-block buffers (at most 256 MiB). Kernel-internal scratch (per-thread tiles,
   // f32 staging of bf16 operands) is not included.
   int64_t workspace_bytes(const Batch& batch, AttentionPath path) const;
-  // The same for a plan (a mixed plan: its largest segment plus the whole batch's outputs).
+  // The same for a plan (a mixed plan: its largest segment's intermediates, the index arrays of
+  // the batch and of every segment, and the whole batch's outputs).
   int64_t workspace_bytes(const Batch& batch, const Plan& plan) const;
 
   // Validates everything (batch, page tables, input shapes) before the first write; then stores

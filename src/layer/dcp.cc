@@ -202,11 +202,14 @@ LayerResult DcpSimulation::forward(const Batch& batch, const LayerInputs& in) {
     float* lse_dst = lse_parts.ptr<float>() + int64_t(w) * t * h;
     Tensor o_w = be.empty(mid, {t, h, d_part});
     Tensor lse_w = be.empty(DType::kF32, {t, h});
-    const Tensor kv_locs = be.to_device(host_i32(l.kv_locs));
+    const detail::PackedI32 idx =
+        detail::upload_i32(be, {&l.kv_locs, &gi.cu_q, &l.cu_kv, &l.visible});
+    const TensorView& kv_locs = idx.views[0];
     const detail::StageFn run = [](const char*, const std::function<void()>& fn) { fn(); };
     if (dense) {
       detail::dense_path(be, c, sm_scale_, rank.kv, kv_locs, in.q_nope, in.q_pe, kv_b_proj_,
-                         gi.cu_q, l.cu_kv, {}, {}, &l.visible, o_w, lse_w, run);
+                         gi.cu_q, l.cu_kv, idx.views[1], idx.views[2], &l.visible, idx.views[3],
+                         o_w, lse_w, run);
     } else {
       std::vector<int32_t> locs(size_t(t * k), -1);
       for (int64_t i = 0; i < t; ++i) {

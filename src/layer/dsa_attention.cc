@@ -15,6 +15,13 @@ namespace {
 // Bound on the indexer's row-block buffers (the backends' default indexer workspace).
 constexpr int64_t kIndexerBlockBytes = int64_t(256) << 20;
 
+// The index arrays of one BatchIndex on the device (detail::DeviceBatchIndex): new_locs,
+// kv_start, ctx_len [T], kv_locs [N], cu_q, cu_kv [B+1].
+int64_t index_bytes(const Batch& batch) {
+  return 4 * (3 * batch.num_new_tokens() + batch.total_kv_len()) +
+         8 * (int64_t(batch.num_requests()) + 1);
+}
+
 }  // namespace
 
 DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv_pool,
@@ -96,10 +103,9 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
   const auto& c = config_;
   const int64_t t = batch.num_new_tokens(), n = batch.total_kv_len(), h = c.num_heads;
   const int64_t mid = int64_t(dtype_size(backend_.capabilities().intermediate_dtype));
-  // Outputs o, lse; the index arrays, uploaded together (detail::DeviceBatchIndex): new_locs,
-  // kv_start, ctx_len [T], kv_locs [N], cu_q, cu_kv [B+1].
+  // Outputs o, lse; the index arrays.
   int64_t bytes = t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h +
-                  4 * (3 * t + n) + 8 * (int64_t(batch.num_requests()) + 1);
+                  index_bytes(batch);
   if (path == AttentionPath::kDenseMha) {
     // c_kv, k_pe of every position; k_nope, v up-projected per head.
     bytes += mid * n * (c.kv_lora_rank + c.qk_rope_head_dim) +
@@ -119,14 +125,18 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
 int64_t DsaAttention::workspace_bytes(const Batch& batch, const Plan& plan) const {
   if (plan.path != AttentionPath::kMixed) return workspace_bytes(batch, plan.path);
   // Segments run one after another: the largest one's intermediates, plus the whole batch's
-  // outputs and the top-k array (-1 rows for the dense segments).
+  // outputs and the top-k array (-1 rows for the dense segments), plus the index arrays of the
+  // batch and of every segment (uploaded together before the first segment runs).
   const auto& c = config_;
   const int64_t t = batch.num_new_tokens();
-  int64_t seg_max = 0;
-  for (const auto& s : plan.segments)
-    seg_max =
-        std::max(seg_max, workspace_bytes(batch.slice(s.first_request, s.num_requests), s.path));
-  return seg_max + t * c.num_heads * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) +
+  int64_t seg_max = 0, indexes = index_bytes(batch);
+  for (const auto& s : plan.segments) {
+    const Batch sub = batch.slice(s.first_request, s.num_requests);
+    seg_max = std::max(seg_max, workspace_bytes(sub, s.path) - index_bytes(sub));
+    indexes += index_bytes(sub);
+  }
+  return seg_max + indexes +
+         t * c.num_heads * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) +
          4 * t * c.num_heads + 4 * t * c.index_topk;
 }
 
@@ -140,7 +150,7 @@ void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi,
   if (path == AttentionPath::kDenseMha) {
     // Dense MHA re-reads every position (prefix included) through the pool format.
     detail::dense_path(be, c, sm_scale_, kv_pool_, kv_locs, in.q_nope, in.q_pe, kv_b_proj_, bi.cu_q,
-                       bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, o, lse, stage);
+                       bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, {}, o, lse, stage);
     return;
   }
   // ---- sparse MLA: indexer -> top-k -> absorbed attention -> V up-projection --------------
@@ -207,9 +217,23 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
     ~RestoreChecks() { be.set_index_value_checks(previous); }
   } restore{be, be.set_index_value_checks(false)};
 
+  // Host indexes of the whole batch and, for a mixed plan, of each run with new tokens; all go
+  // to the device in one copy.
   const BatchIndex bi = BatchIndex::build(batch, page_size);
-  const detail::DeviceBatchIndex dev = detail::DeviceBatchIndex::upload(be, bi);
-  const TensorView& new_locs = dev.new_locs;
+  std::vector<const PlanSegment*> runs;
+  std::vector<BatchIndex> run_bi;
+  if (res.plan.path == AttentionPath::kMixed)
+    for (const PlanSegment& s : res.plan.segments) {
+      if (bi.cu_q[size_t(s.first_request)] == bi.cu_q[size_t(s.first_request + s.num_requests)])
+        continue;  // no new tokens
+      runs.push_back(&s);
+      run_bi.push_back(BatchIndex::build(batch.slice(s.first_request, s.num_requests), page_size));
+    }
+  std::vector<const BatchIndex*> host_index{&bi};
+  for (const BatchIndex& x : run_bi) host_index.push_back(&x);
+  const std::vector<detail::DeviceBatchIndex> dev =
+      detail::DeviceBatchIndex::upload(be, host_index);
+  const TensorView& new_locs = dev[0].new_locs;
 
   // ---- store the new tokens ---------------------------------------------------------------
   stage("store", [&] {
@@ -222,16 +246,15 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
                   [](const PlanSegment& s) { return s.path == AttentionPath::kSparseMla; });
   if (any_sparse) res.topk = be.empty(DType::kI32, {t, c.index_topk});
   if (res.plan.path != AttentionPath::kMixed) {
-    run_path(res.plan.path, bi, dev, in, res.o, res.lse, res.topk, stage);
+    run_path(res.plan.path, bi, dev[0], in, res.o, res.lse, res.topk, stage);
     return res;
   }
   // ---- mixed: each run of requests through its own path over its rows of the batch --------
   be.fill_bytes(res.topk, 0xFF);  // -1: dense rows select nothing
-  for (const PlanSegment& s : res.plan.segments) {
-    const Batch sub = batch.slice(s.first_request, s.num_requests);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const PlanSegment& s = *runs[i];
     const int64_t r0 = bi.cu_q[size_t(s.first_request)],
                   r1 = bi.cu_q[size_t(s.first_request + s.num_requests)];
-    if (r0 == r1) continue;
     LayerInputs rows;
     rows.q_nope = slice_rows(in.q_nope, r0, r1);
     rows.q_pe = slice_rows(in.q_pe, r0, r1);
@@ -240,11 +263,9 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
     rows.idx_q = slice_rows(in.idx_q, r0, r1);
     rows.idx_k = slice_rows(in.idx_k, r0, r1);
     rows.idx_w = slice_rows(in.idx_w, r0, r1);
-    const BatchIndex sub_bi = BatchIndex::build(sub, page_size);
-    run_path(s.path, sub_bi, detail::DeviceBatchIndex::upload(be, sub_bi), rows,
-             slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
-             s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{},
-             stage);
+    run_path(
+        s.path, run_bi[i], dev[i + 1], rows, slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
+        s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{}, stage);
   }
   return res;
 }

@@ -1,36 +1,38 @@
 #include "src/layer/paths.h"
 
-#include <iterator>
-
 namespace dsakit::detail {
 
-namespace {
-
-Tensor i32_on_device(Backend& be, const std::vector<int32_t>& v) {
-  return be.to_device(
-      make_view(const_cast<int32_t*>(v.data()), DType::kI32, Device::kCpu, {int64_t(v.size())}));
-}
-
-}  // namespace
-
-DeviceBatchIndex DeviceBatchIndex::upload(Backend& be, const BatchIndex& bi) {
-  const std::vector<int32_t>* parts[] = {&bi.new_locs,      &bi.kv_locs, &bi.token_kv_start,
-                                         &bi.token_ctx_len, &bi.cu_q,    &bi.cu_kv};
+PackedI32 upload_i32(Backend& be, const std::vector<const std::vector<int32_t>*>& arrays) {
   std::vector<int32_t> packed;
   size_t total = 0;
-  for (const auto* p : parts) total += p->size();
+  for (const auto* a : arrays) total += a->size();
   packed.reserve(total);
-  for (const auto* p : parts) packed.insert(packed.end(), p->begin(), p->end());
-  DeviceBatchIndex d;
-  d.storage = i32_on_device(be, packed);
-  TensorView* views[] = {&d.new_locs, &d.kv_locs, &d.kv_start, &d.ctx_len, &d.cu_q, &d.cu_kv};
+  for (const auto* a : arrays) packed.insert(packed.end(), a->begin(), a->end());
+  PackedI32 out;
+  out.storage =
+      be.to_device(make_view(packed.data(), DType::kI32, Device::kCpu, {int64_t(packed.size())}));
   int64_t offset = 0;
-  for (size_t i = 0; i < std::size(parts); ++i) {
-    const auto n = int64_t(parts[i]->size());
-    *views[i] = slice_rows(d.storage, offset, offset + n);
+  for (const auto* a : arrays) {
+    const auto n = int64_t(a->size());
+    out.views.push_back(slice_rows(out.storage, offset, offset + n));
     offset += n;
   }
-  return d;
+  return out;
+}
+
+std::vector<DeviceBatchIndex> DeviceBatchIndex::upload(
+    Backend& be, const std::vector<const BatchIndex*>& indexes) {
+  std::vector<const std::vector<int32_t>*> arrays;
+  for (const BatchIndex* bi : indexes)
+    arrays.insert(arrays.end(), {&bi->new_locs, &bi->kv_locs, &bi->token_kv_start,
+                                 &bi->token_ctx_len, &bi->cu_q, &bi->cu_kv});
+  const PackedI32 packed = upload_i32(be, arrays);
+  std::vector<DeviceBatchIndex> out(indexes.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    const TensorView* v = packed.views.data() + 6 * i;
+    out[i] = {packed.storage, v[0], v[1], v[2], v[3], v[4], v[5]};
+  }
+  return out;
 }
 
 void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& pool,
@@ -38,7 +40,8 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
                 const TensorView& kv_b_proj, const std::vector<int32_t>& cu_q,
                 const std::vector<int32_t>& cu_kv, const TensorView& d_cu_q,
                 const TensorView& d_cu_kv, const std::vector<int32_t>* kv_visible,
-                const TensorView& o, const TensorView& lse, const StageFn& stage) {
+                const TensorView& d_kv_visible, const TensorView& o, const TensorView& lse,
+                const StageFn& stage) {
   const DType mid = be.capabilities().intermediate_dtype;
   const int64_t n = kv_locs.shape[0], h = c.num_heads;
   Tensor c_all = be.empty(mid, {n, c.kv_lora_rank});
@@ -47,23 +50,18 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
   Tensor k_nope = be.empty(mid, {n, h, c.qk_nope_head_dim});
   Tensor v = be.empty(mid, {n, h, c.v_head_dim});
   stage("up_proj_kv", [&] { be.up_proj_kv(c_all, kv_b_proj, k_nope, v); });
-  Tensor uploaded_cu_q, uploaded_cu_kv;
-  if (d_cu_q.ndim == 0) uploaded_cu_q = i32_on_device(be, cu_q);
-  if (d_cu_kv.ndim == 0) uploaded_cu_kv = i32_on_device(be, cu_kv);
-  Tensor d_visible;
   DenseMhaArgs a;
   a.q_nope = q_nope;
   a.q_pe = q_pe;
   a.k_nope = k_nope;
   a.k_pe = kpe_all;
   a.v = v;
-  a.cu_q = d_cu_q.ndim ? d_cu_q : uploaded_cu_q.view();
-  a.cu_kv = d_cu_kv.ndim ? d_cu_kv : uploaded_cu_kv.view();
+  a.cu_q = d_cu_q;
+  a.cu_kv = d_cu_kv;
   a.cu_q_host = cu_q.data();
   a.cu_kv_host = cu_kv.data();
   if (kv_visible) {
-    d_visible = i32_on_device(be, *kv_visible);
-    a.kv_visible = d_visible;
+    a.kv_visible = d_kv_visible;
     a.kv_visible_host = kv_visible->data();
   }
   a.num_requests = int(cu_q.size()) - 1;

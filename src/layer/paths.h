@@ -12,12 +12,18 @@
 
 namespace dsakit::detail {
 
-// The index arrays a forward call reads on the device, for the requests one BatchIndex covers,
-// uploaded as one i32 tensor in one copy: a copy from host memory synchronizes the stream, and
-// one per array (up to six per call, two of them after the gather and up-projection were queued)
-// left the GPU idle while the host caught up. The views alias `storage`.
+// Host i32 arrays -> one device tensor in one copy; views[i] is arrays[i] (aliasing storage).
+// A copy from host memory synchronizes the stream, so one copy per array (up to six per layer
+// call, some after kernels were queued) left the GPU idle while the host caught up.
+struct PackedI32 {
+  Tensor storage;
+  std::vector<TensorView> views;
+};
+PackedI32 upload_i32(Backend& be, const std::vector<const std::vector<int32_t>*>& arrays);
+
+// The index arrays a forward call reads on the device, for the requests one BatchIndex covers.
 struct DeviceBatchIndex {
-  Tensor storage;       // i32 [T + N + 2T + 2(B+1)]: the arrays below, in this order
+  Tensor storage;       // shared by every index of one upload()
   TensorView new_locs;  // [T]
   TensorView kv_locs;   // [N]
   TensorView kv_start;  // [T]
@@ -25,7 +31,9 @@ struct DeviceBatchIndex {
   TensorView cu_q;      // [B+1]
   TensorView cu_kv;     // [B+1]
 
-  static DeviceBatchIndex upload(Backend& be, const BatchIndex& bi);
+  // All of `indexes` in one copy (a mixed plan uploads its segments together).
+  static std::vector<DeviceBatchIndex> upload(Backend& be,
+                                              const std::vector<const BatchIndex*>& indexes);
 };
 
 // Runs fn, timed under `name` when the caller records stage times.
@@ -33,15 +41,16 @@ using StageFn = std::function<void(const char* name, const std::function<void()>
 
 // Dense MHA of T queries over kv_locs (i32 [N] on the device: every key row, request-major):
 // gather from the pool (dequantized to the backend's intermediate dtype), up-project K/V with
-// kv_b_proj, causal varlen attention. cu_q / cu_kv: host prefix sums [B+1], and their device
-// copies in d_cu_q / d_cu_kv (empty views: uploaded here); kv_visible: optional per-query visible
-// counts (host, [T]; DCP shards). Writes o [T, H, d_v] and lse [T, H].
+// kv_b_proj, causal varlen attention. cu_q / cu_kv: host prefix sums [B+1], and d_cu_q /
+// d_cu_kv their device copies; kv_visible: optional per-query visible counts (host, [T]; DCP
+// shards) with its device copy d_kv_visible. Writes o [T, H, d_v] and lse [T, H].
 void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& pool,
                 const TensorView& kv_locs, const TensorView& q_nope, const TensorView& q_pe,
                 const TensorView& kv_b_proj, const std::vector<int32_t>& cu_q,
                 const std::vector<int32_t>& cu_kv, const TensorView& d_cu_q,
                 const TensorView& d_cu_kv, const std::vector<int32_t>* kv_visible,
-                const TensorView& o, const TensorView& lse, const StageFn& stage);
+                const TensorView& d_kv_visible, const TensorView& o, const TensorView& lse,
+                const StageFn& stage);
 
 // Absorbed sparse attention over pool locations: o_lat [T, H, d_c] and lse [T, H] from
 // q_abs [T, H, d_c], q_pe [T, H, d_rope] and indices i32 [T, k] (pool locations, -1 skipped).
