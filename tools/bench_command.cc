@@ -407,6 +407,7 @@ int bench_command(const BenchOptions& o) {
           const double flops = plan_flops(cfg, batch, t.plan);
           const double tf = flops / (t.ms * 1e-3) / 1e12;
           json e = {{"ms", t.ms},
+                    {"enqueue_ms", t.enqueue_ms},
                     {"runs", t.runs},
                     {"path", to_string(t.plan.path)},
                     {"reason", t.plan.reason},

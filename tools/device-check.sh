@@ -10,7 +10,8 @@
 # carried in .peers/: run tools/device-prepare.sh here first, then carry [".peers"].
 #   6. (explicit only) `dsakit calibrate` into $OUT/profile.json and `dsakit bench` with it
 #      (DSAKIT_BENCH_MODELS, DSAKIT_PROFILE_IN, DSAKIT_LAYERBENCH_ARGS pass through).
-# Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench|calibrate|layerbench]...
+#   7. (explicit only) `profile`: ncu per-kernel times of a short-prompt call on both paths.
+# Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench|calibrate|layerbench|profile]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -168,11 +169,50 @@ if [ "${result[build]}" = PASS ] && explicit layerbench; then
   tail -8 "$out/bench_layer.txt"
 fi
 
+if [ "${result[build]}" = PASS ] && explicit profile; then
+  # Per-kernel GPU times of one short-prompt layer call (T = PROFILE_TOKENS, default 256; 16
+  # heads; bf16 pool) on both paths, at the clocks and cache state the benchmark sees (ncu's
+  # defaults lock base clocks and flush caches, which inflates microsecond kernels), then the
+  # dense_mha kernel's launch, occupancy and stall sections at that size and at 4096 tokens.
+  note "ncu per-kernel times"
+  ncu_q=(ncu --clock-control none --cache-control none)
+  ok=PASS
+  for spec in deepseek-v3.2:8 glm-5:4; do
+    for path in dense sparse; do
+      csv="$out/ncu_${spec%%:*}_$path.csv"
+      timeout 120 "${ncu_q[@]}" --metrics gpu__time_duration.sum --csv build-dev/bin/dsakit run \
+        --device cuda --model "${spec%%:*}" --tp "${spec##*:}" --kv bf16 \
+        --prompts "${PROFILE_TOKENS:-256}" --dispatch "$path" --quiet >"$csv" 2>&1 || ok=FAIL
+      python3 - "$csv" "${spec} $path" <<'PY' | tee -a "$out/ncu_summary.txt"
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows: sys.exit(print(sys.argv[2], "no ncu rows"))
+h = rows[0]; k, v, u = h.index("Kernel Name"), h.index("Metric Value"), h.index("Metric Unit")
+total = 0.0
+print("==", sys.argv[2])
+for r in rows[1:]:
+    us = float(r[v].replace(",", "")) / (1000.0 if r[u] == "nsecond" else 1.0)
+    total += us
+    print(f"  {us:8.1f} us  {r[k][:90]}")
+print(f"  {total:8.1f} us  GPU total")
+PY
+    done
+    for t in "${PROFILE_TOKENS:-256}" 4096; do
+      timeout 120 "${ncu_q[@]}" -k regex:dense_mha --section LaunchStats --section Occupancy \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        build-dev/bin/dsakit run --device cuda --model "${spec%%:*}" --tp "${spec##*:}" --kv bf16 \
+        --prompts "$t" --dispatch dense --quiet >"$out/ncu_dense_mha_${spec%%:*}_$t.txt" 2>&1 ||
+        ok=FAIL
+    done
+  done
+  result[profile]=$ok
+fi
+
 note "done"
 # The device tool returns at most 8 files: pack everything into one archive and keep only the
 # archive and the JSON results next to it.
 (cd "$out" && tar -czf logs.tgz --exclude=logs.tgz ./* 2>/dev/null &&
-  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json \
+  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json ! -name ncu_summary.txt \
     -delete)
 echo
 printf '%-44s %s\n' CHECK RESULT

@@ -195,7 +195,7 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
   const Batch& b = state_->batch;
   const size_t np = policies.size();
   std::vector<PolicyTiming> out(np);
-  std::vector<std::vector<double>> ms(np);
+  std::vector<std::vector<double>> ms(np), enqueue_ms(np);
   auto stopped = [&] { return stop && stop->load(); };
 
   auto call = [&](size_t p, int round, bool staged) {
@@ -205,15 +205,16 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
     be_.synchronize();
     const auto t0 = clock::now();
     LayerResult res = layer.forward(b, set.view());
+    const auto t_enqueued = clock::now();
     be_.synchronize();
     const double elapsed = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     out[p].plan = res.plan;
-    if (staged) {
-      std::map<std::string, double> sum;
+    std::map<std::string, double> sum;
+    if (staged)
       for (const auto& s : res.stages) sum[s.stage] += s.ms;
-      return std::make_pair(elapsed, sum);
-    }
-    return std::make_pair(elapsed, std::map<std::string, double>{});
+    else
+      sum["enqueue"] = std::chrono::duration<double, std::milli>(t_enqueued - t0).count();
+    return std::make_pair(elapsed, sum);
   };
 
   // One warm-up round (allocator caches, cuBLAS heuristics, first-touch pages). Then rounds of
@@ -227,8 +228,11 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
   while (!stopped()) {
     for (size_t p = 0; p < np; ++p)
       for (int i = 0; i < kBlock; ++i) {
-        const double t = call(p, round * kBlock + i, false).first;
-        if (i > 0) ms[p].push_back(t);
+        const auto [t, parts] = call(p, round * kBlock + i, false);
+        if (i > 0) {
+          ms[p].push_back(t);
+          enqueue_ms[p].push_back(parts.at("enqueue"));
+        }
       }
     ++round;
     timed += kBlock - 1;
@@ -237,6 +241,7 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
   }
   for (size_t p = 0; p < np; ++p) {
     out[p].ms = median(ms[p]);
+    out[p].enqueue_ms = median(enqueue_ms[p]);
     out[p].runs = int(ms[p].size());
   }
   if (stages) {

@@ -33,6 +33,8 @@ struct BenchShape {
 // One policy's result on a shape.
 struct PolicyTiming {
   double ms = 0;                         // median wall time of forward() incl. synchronize
+  double enqueue_ms = 0;                 // median host time until forward() returns (no sync):
+                                         // close to ms when the host, not the GPU, sets the pace
   int runs = 0;                          // timed calls behind the median
   Plan plan;                             // the plan the calls took
   std::map<std::string, double> stages;  // median per-stage ms (same-named stages summed)
