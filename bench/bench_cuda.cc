@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -33,17 +34,25 @@ using namespace dsakit;
 constexpr int kSets = 3;
 constexpr int kRuns = 20;
 
-// Median time in ms of fn(i) (i = run index, to rotate input sets) over kRuns after warm-up.
-double time_ms(cudaStream_t s, const std::function<void(int)>& fn, int runs = kRuns) {
+// GPU time (CUDA events around the call) and host time (until the call returns, starting from
+// an idle stream, so it is the cost of enqueueing alone) of fn(i), i = run index to rotate input
+// sets: medians over `runs` calls after 3 warm-up calls.
+struct Timing {
+  double ms = 0, host_ms = 0;
+};
+Timing time_ms(cudaStream_t s, const std::function<void(int)>& fn, int runs = kRuns) {
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
   for (int i = 0; i < 3; ++i) fn(i);
   BENCH_CUDA(cudaStreamSynchronize(s));
-  std::vector<float> ms;
+  std::vector<double> ms, host;
   for (int i = 0; i < runs; ++i) {
     BENCH_CUDA(cudaEventRecord(a, s));
+    const auto t0 = std::chrono::steady_clock::now();
     fn(i);
+    host.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     BENCH_CUDA(cudaEventRecord(b, s));
     BENCH_CUDA(cudaEventSynchronize(b));
     float t = 0;
@@ -52,8 +61,11 @@ double time_ms(cudaStream_t s, const std::function<void(int)>& fn, int runs = kR
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  std::nth_element(ms.begin(), ms.begin() + runs / 2, ms.end());
-  return ms[size_t(runs / 2)];
+  const auto median = [](std::vector<double>& v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  return {median(ms), median(host)};
 }
 
 Tensor random_device(Backend& be, DType dtype, const std::vector<int64_t>& shape, uint64_t seed,
@@ -72,7 +84,8 @@ Tensor random_device(Backend& be, DType dtype, const std::vector<int64_t>& shape
 
 struct Row {
   std::string shape, stage;
-  double ms = 0, flops = 0, bytes = 0;
+  Timing t;
+  double flops = 0, bytes = 0;
 };
 
 // One fresh prompt of T tokens (a single request, causal) for config `c`.
@@ -134,8 +147,8 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
   }
   const int bpt = kd.bytes_per_token();
   std::vector<Row> rows;
-  auto add = [&](const char* stage, double ms, double flops, double bytes) {
-    rows.push_back({shape, stage, ms, flops, bytes});
+  auto add = [&](const char* stage, Timing t, double flops, double bytes) {
+    rows.push_back({shape, stage, t, flops, bytes});
   };
 
   add("store_kv",
@@ -145,6 +158,16 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
                 be.store_kv(st.kv, locs, st.c_kv, st.k_pe);
               }),
       0, double(t) * (2.0 * (dc + dr) + bpt));
+  add("store_index_keys",
+      time_ms(s,
+              [&](int i) {
+                auto& st = sets[size_t(i % kSets)];
+                be.store_index_keys(st.ix, locs, st.idx_k);
+              }),
+      0, double(t) * 2.0 * 2 * di);
+  // The layer's one host -> device copy of its index arrays (3T + N + 2(B + 1) i32).
+  std::vector<int32_t> index_h(size_t(4 * t + 4), 1);
+  add("upload_index", time_ms(s, [&](int) { dev_i32(index_h); }), 0, 4.0 * double(index_h.size()));
   Tensor c_all = be.empty(DType::kBF16, {t, dc}), kpe_all = be.empty(DType::kBF16, {t, dr});
   add("gather_kv",
       time_ms(s, [&](int i) { be.gather_kv(sets[size_t(i % kSets)].kv, locs, c_all, kpe_all); }), 0,
@@ -165,7 +188,9 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
           5),
       2.0 * hi * di * sum_ctx, 0);
   Tensor loc_top = be.empty(DType::kI32, {t, k});
-  be.positions_to_locations(top, locs, start, ctx, loc_top);
+  add("topk_to_locations",
+      time_ms(s, [&](int) { be.positions_to_locations(top, locs, start, ctx, loc_top); }), 0,
+      8.0 * double(t) * k);
   Tensor q_abs = be.empty(DType::kBF16, {t, h, dc});
   add("absorb_q",
       time_ms(s, [&](int i) { be.absorb_q(sets[size_t(i % kSets)].q_nope, w, int(dv), q_abs); }),
@@ -219,15 +244,17 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
 
 // Whole layer (store + plan + path + outputs, host staging included) for fresh prompts, dense
 // vs sparse, contexts within index_topk (where both are exact).
-std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_t t) {
+std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_t t,
+                             KvLayout layout) {
   std::vector<Row> rows;
-  const std::string shape = fmt::format("{} H={} T={} layer fp8", c.name, c.num_heads, t);
+  const std::string shape =
+      fmt::format("{} H={} T={} layer {}", c.name, c.num_heads, t, to_string(layout));
   std::fprintf(stderr, "[bench] %s\n", shape.c_str());
   const std::vector<int32_t> len = {int32_t(t)};
   const TokenStore tokens = TokenStore::random(c, len, 5);
   const Tensor w = be.to_device(random_kv_b_proj(c, 6));
   KvPoolDesc kd;
-  kd.layout = KvLayout::kFp8Scaled;
+  kd.layout = layout;
   kd.num_pages = (t + 63) / 64 + 1;
   kd.d_c = c.kv_lora_rank;
   kd.d_rope = c.qk_rope_head_dim;
@@ -245,9 +272,9 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
     LayerOptions o;
     o.policy.mode = m;
     DsaAttention layer(c, be, kv, ix, w, o);
-    const double ms = time_ms(
+    const Timing t = time_ms(
         be.stream(), [&](int) { layer.forward(b, in.view()); }, 10);
-    rows.push_back({shape, std::string("layer_") + to_string(m), ms, 0, 0});
+    rows.push_back({shape, std::string("layer_") + to_string(m), t, 0, 0});
   }
   return rows;
 }
@@ -286,26 +313,40 @@ int main(int argc, char** argv) {
       auto r = bench_shape(be, glm.with_tp(tp), 4096, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }
+    // Short prompts with 16 heads, where the host's enqueue cost competes with the GPU's time.
+    for (const ModelConfig& c : {ds.with_tp(8), glm.with_tp(4)}) {
+      auto r = bench_shape(be, c, 256, KvLayout::kBf16);
+      rows.insert(rows.end(), r.begin(), r.end());
+    }
     for (int tp : {1, 8})
       for (int64_t t : {1024, 2048}) {
-        auto r = bench_layer(be, ds.with_tp(tp), t);
+        auto r = bench_layer(be, ds.with_tp(tp), t, KvLayout::kFp8Scaled);
         rows.insert(rows.end(), r.begin(), r.end());
       }
+    for (const ModelConfig& c : {ds.with_tp(8), glm.with_tp(4)}) {
+      auto r = bench_layer(be, c, 256, KvLayout::kBf16);
+      rows.insert(rows.end(), r.begin(), r.end());
+    }
     fmt::print("device {}  ceilings: copy {:.0f} GB/s, cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
                be.capabilities().device_name, ceil.copy_gbs, ceil.gemm_tflops);
-    fmt::print("{:<34} {:<14} {:>9} {:>9} {:>7} {:>9} {:>7}\n", "shape", "stage", "ms", "TFLOP/s",
-               "%gemm", "GB/s", "%copy");
+    fmt::print("{:<34} {:<14} {:>9} {:>9} {:>7} {:>9} {:>7} {:>9}\n", "shape", "stage", "ms",
+               "TFLOP/s", "%gemm", "GB/s", "%copy", "host ms");
     nlohmann::json j;
     j["device"] = be.capabilities().device_name;
     j["copy_gbs"] = ceil.copy_gbs;
     j["gemm_tflops"] = ceil.gemm_tflops;
     for (const Row& r : rows) {
-      const double tf = r.flops > 0 ? r.flops / (r.ms * 1e-3) / 1e12 : 0;
-      const double gb = r.bytes > 0 ? r.bytes / (r.ms * 1e-3) / 1e9 : 0;
-      fmt::print("{:<34} {:<14} {:>9.3f} {:>9.1f} {:>6.0f}% {:>9.0f} {:>6.0f}%\n", r.shape, r.stage,
-                 r.ms, tf, 100 * tf / ceil.gemm_tflops, gb, 100 * gb / ceil.copy_gbs);
-      j["rows"].push_back(
-          {{"shape", r.shape}, {"stage", r.stage}, {"ms", r.ms}, {"tflops", tf}, {"gbs", gb}});
+      const double tf = r.flops > 0 ? r.flops / (r.t.ms * 1e-3) / 1e12 : 0;
+      const double gb = r.bytes > 0 ? r.bytes / (r.t.ms * 1e-3) / 1e9 : 0;
+      fmt::print("{:<34} {:<14} {:>9.3f} {:>9.1f} {:>6.0f}% {:>9.0f} {:>6.0f}% {:>9.4f}\n", r.shape,
+                 r.stage, r.t.ms, tf, 100 * tf / ceil.gemm_tflops, gb, 100 * gb / ceil.copy_gbs,
+                 r.t.host_ms);
+      j["rows"].push_back({{"shape", r.shape},
+                           {"stage", r.stage},
+                           {"ms", r.t.ms},
+                           {"host_ms", r.t.host_ms},
+                           {"tflops", tf},
+                           {"gbs", gb}});
     }
     if (!json_path.empty()) std::ofstream(json_path) << j.dump(2) << "\n";
   } catch (const std::exception& e) {

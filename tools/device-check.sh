@@ -173,7 +173,7 @@ if [ "${result[build]}" = PASS ] && explicit profile; then
   # Per-kernel GPU times of one short-prompt layer call (T = PROFILE_TOKENS, default 256; 16
   # heads; bf16 pool) on both paths, at the clocks and cache state the benchmark sees (ncu's
   # defaults lock base clocks and flush caches, which inflates microsecond kernels), then the
-  # dense_mha kernel's launch, occupancy and stall sections at that size and at 4096 tokens.
+  # dense_mha kernel's launch, occupancy and stall sections at that size and at 2048 tokens.
   note "ncu per-kernel times"
   ncu_q=(ncu --clock-control none --cache-control none)
   ok=PASS
@@ -191,13 +191,13 @@ h = rows[0]; k, v, u = h.index("Kernel Name"), h.index("Metric Value"), h.index(
 total = 0.0
 print("==", sys.argv[2])
 for r in rows[1:]:
-    us = float(r[v].replace(",", "")) / (1000.0 if r[u] == "nsecond" else 1.0)
+    us = float(r[v].replace(",", "")) * {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}.get(r[u], 1.0)
     total += us
     print(f"  {us:8.1f} us  {r[k][:90]}")
 print(f"  {total:8.1f} us  GPU total")
 PY
     done
-    for t in "${PROFILE_TOKENS:-256}" 4096; do
+    for t in "${PROFILE_TOKENS:-256}" 2048; do
       timeout 120 "${ncu_q[@]}" -k regex:dense_mha --section LaunchStats --section Occupancy \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         build-dev/bin/dsakit run --device cuda --model "${spec%%:*}" --tp "${spec##*:}" --kv bf16 \

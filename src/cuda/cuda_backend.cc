@@ -112,6 +112,10 @@ CudaBackend::~CudaBackend() {
 }
 
 void CudaBackend::activate() const {
+  // cudaGetDevice reads the thread's current device without a driver call; switch only when
+  // another device is current (every op and allocation calls this).
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == device_) return;
   DSAKIT_CUDA_CHECK(cudaSetDevice(device_));
 }
 

@@ -148,9 +148,12 @@ void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi,
   Backend& be = backend_;
   const TensorView& kv_locs = dev.kv_locs;
   if (path == AttentionPath::kDenseMha) {
-    // Dense MHA re-reads every position (prefix included) through the pool format.
+    // Dense MHA re-reads every position (prefix included) through the pool format; where that
+    // format returns the inputs bit for bit (bf16 pool, no prefix) it reads the inputs.
+    detail::KvRows stored;
+    if (detail::pool_rows_are_inputs(be, kv_pool_, bi.cu_q, bi.cu_kv)) stored = {in.c_kv, in.k_pe};
     detail::dense_path(be, c, sm_scale_, kv_pool_, kv_locs, in.q_nope, in.q_pe, kv_b_proj_, bi.cu_q,
-                       bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, {}, o, lse, stage);
+                       bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, {}, o, lse, stage, stored);
     return;
   }
   // ---- sparse MLA: indexer -> top-k -> absorbed attention -> V up-projection --------------

@@ -41,12 +41,18 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
                 const std::vector<int32_t>& cu_kv, const TensorView& d_cu_q,
                 const TensorView& d_cu_kv, const std::vector<int32_t>* kv_visible,
                 const TensorView& d_kv_visible, const TensorView& o, const TensorView& lse,
-                const StageFn& stage) {
+                const StageFn& stage, const KvRows& stored) {
   const DType mid = be.capabilities().intermediate_dtype;
   const int64_t n = kv_locs.shape[0], h = c.num_heads;
-  Tensor c_all = be.empty(mid, {n, c.kv_lora_rank});
-  Tensor kpe_all = be.empty(mid, {n, c.qk_rope_head_dim});
-  stage("gather", [&] { be.gather_kv(pool, kv_locs, c_all, kpe_all); });
+  Tensor gathered_c, gathered_pe;
+  TensorView c_all = stored.c_kv, kpe_all = stored.k_pe;
+  if (stored.empty()) {
+    gathered_c = be.empty(mid, {n, c.kv_lora_rank});
+    gathered_pe = be.empty(mid, {n, c.qk_rope_head_dim});
+    c_all = gathered_c;
+    kpe_all = gathered_pe;
+    stage("gather", [&] { be.gather_kv(pool, kv_locs, c_all, kpe_all); });
+  }
   Tensor k_nope = be.empty(mid, {n, h, c.qk_nope_head_dim});
   Tensor v = be.empty(mid, {n, h, c.v_head_dim});
   stage("up_proj_kv", [&] { be.up_proj_kv(c_all, kv_b_proj, k_nope, v); });
@@ -69,6 +75,12 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
   a.o = o;
   a.lse = lse;
   stage("dense_mha", [&] { be.dense_mha(a); });
+}
+
+bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
+                          const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_kv) {
+  return pool.layout() == KvLayout::kBf16 && be.capabilities().intermediate_dtype == DType::kBF16 &&
+         cu_q == cu_kv;
 }
 
 void sparse_attention(Backend& be, double sm_scale, const PagedKvPool& pool,

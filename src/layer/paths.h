@@ -44,13 +44,26 @@ using StageFn = std::function<void(const char* name, const std::function<void()>
 // kv_b_proj, causal varlen attention. cu_q / cu_kv: host prefix sums [B+1], and d_cu_q /
 // d_cu_kv their device copies; kv_visible: optional per-query visible counts (host, [T]; DCP
 // shards) with its device copy d_kv_visible. Writes o [T, H, d_v] and lse [T, H].
+// stored (optional): the rows of kv_locs exactly as the gather would return them, bit for bit
+// (pool_rows_are_inputs() says when the caller's inputs are); the gather is then skipped.
+struct KvRows {
+  TensorView c_kv;  // [N, d_c] intermediate dtype
+  TensorView k_pe;  // [N, d_rope]
+  bool empty() const { return c_kv.data == nullptr; }
+};
 void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& pool,
                 const TensorView& kv_locs, const TensorView& q_nope, const TensorView& q_pe,
                 const TensorView& kv_b_proj, const std::vector<int32_t>& cu_q,
                 const std::vector<int32_t>& cu_kv, const TensorView& d_cu_q,
                 const TensorView& d_cu_kv, const std::vector<int32_t>* kv_visible,
                 const TensorView& d_kv_visible, const TensorView& o, const TensorView& lse,
-                const StageFn& stage);
+                const StageFn& stage, const KvRows& stored = {});
+
+// True when gathering kv rows cu_kv from the pool would return the new tokens' c_kv / k_pe
+// inputs unchanged: no request has a cached prefix (the kv rows are the new tokens, in order),
+// the pool stores bf16 as given (no quantization), and the backend's intermediates are bf16.
+bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
+                          const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_kv);
 
 // Absorbed sparse attention over pool locations: o_lat [T, H, d_c] and lse [T, H] from
 // q_abs [T, H, d_c], q_pe [T, H, d_rope] and indices i32 [T, k] (pool locations, -1 skipped).

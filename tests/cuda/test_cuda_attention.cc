@@ -9,6 +9,7 @@
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
+#include "src/cuda/sm90/prefill/dense_mha/dense_mha_params.h"
 #include "src/reference/reference.h"
 #include "tests/common/test_util.h"
 
@@ -231,12 +232,18 @@ struct DenseCase {
 class CudaDenseMha : public CudaAttention {};
 
 TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
-  const std::vector<DenseCase> cases = {
+  std::vector<DenseCase> cases = {
       {128, 128, 128, {{0, 70}, {64, 64}}},
       {128, 128, 16, {{0, 100}, {37, 5}, {200, 130}, {0, 1}}},
       {192, 256, 64, {{0, 100}, {37, 5}, {200, 130}}},
       {192, 256, 16, {{3, 1}, {0, 65}, {500, 0}, {10, 200}}},
   };
+  // More tiles than the launch parameters carry (kDenseInlineTiles): the schedule is copied.
+  DenseCase many{128, 128, 4, {}};
+  for (int r = 0; r < 150; ++r) many.prefix_extend.push_back({r % 7, 1 + r % 5});
+  many.prefix_extend.push_back({0, 130});
+  ASSERT_GT(many.prefix_extend.size(), size_t(cuda::dense_mha::kDenseInlineTiles));
+  cases.push_back(many);
   constexpr int kDr = 64;
   for (const DenseCase& c : cases) {
     const uint64_t seed = testing::fresh_seed();

@@ -2,6 +2,7 @@
 // where exact, chunked == one-shot (with a path switch), prefix hit == fresh, decode, DCP
 // == single rank, agreement with the float64 layer reference, and rejected calls that leave the
 // pools untouched.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -271,6 +272,45 @@ TEST_P(LayerTest, PrefixHitEqualsFreshPrompt) {
     EXPECT_EQ(d.rows, 30 + 64);
     EXPECT_LE(d.o_rel, tol_f32(fresh));
     EXPECT_LE(d.lse_abs, tol_lse_across_paths(fresh));
+  }
+}
+
+// The dense path skips its gather exactly when the pool would return the inputs bit for bit
+// (bf16 pool, bf16 intermediates, no cached prefix), and both ways agree with the sparse path.
+TEST_P(LayerTest, DenseGathersUnlessThePoolReturnsTheInputs) {
+  for (KvLayout layout : kLayouts) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(::testing::Message() << to_string(layout) << " seed " << seed);
+    const ModelConfig c = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+    const std::vector<int32_t> len = {90, 41}, prefix = {70, 0};
+    Harness dense(c, GetParam(), layout, 16, len, seed, DispatchMode::kDense);
+    Harness sparse(c, GetParam(), layout, 16, len, seed, DispatchMode::kSparse);
+    LayerOptions o;
+    o.output_dtype = bf16_mid(dense) ? DType::kBF16 : DType::kF32;
+    o.policy.mode = DispatchMode::kDense;
+    o.time_stages = true;
+    dense.layer = std::make_unique<DsaAttention>(c, *dense.be, dense.kv, dense.ix, dense.w, o);
+    // Step 0: fresh prompts up to `prefix` (request 1 has none yet); step 1: the rest over the
+    // cached prefix of request 0.
+    RunOutputs a, b;
+    for (const RunSchedule& s : {RunSchedule{dense.zeros(), prefix, 0, ForwardMode::kExtend},
+                                 RunSchedule{prefix, len, 0, ForwardMode::kExtend}}) {
+      run_schedule(*dense.layer, dense.tables, dense.tokens, s, a);
+      run_schedule(*sparse.layer, sparse.tables, sparse.tokens, s, b);
+    }
+    ASSERT_EQ(a.steps.size(), 2u);
+    const bool bf16_inputs = layout == KvLayout::kBf16 && bf16_mid(dense);
+    for (size_t i = 0; i < 2; ++i) {
+      const auto& st = a.steps[i].stages;
+      EXPECT_EQ(a.steps[i].plan.path, AttentionPath::kDenseMha);
+      const bool gathered =
+          std::any_of(st.begin(), st.end(), [](const StageTime& x) { return x.stage == "gather"; });
+      EXPECT_EQ(gathered, !(bf16_inputs && i == 0)) << "step " << i;
+    }
+    const Diff d = compare(a, b, both(a, b));
+    EXPECT_EQ(d.rows, 131);
+    EXPECT_LE(d.o_rel, tol_f32(dense));
+    EXPECT_LE(d.lse_abs, tol_lse_across_paths(dense));
   }
 }
 

@@ -165,16 +165,19 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
                ", ", d_rope, ", ", d_v, "); the CUDA kernels support ",
                cuda::attention::kDenseMhaSupportedDims);
 
-  // The schedule travels with the stream: scratch from the caller's stream-ordered arena, copy,
-  // launch.
-  const size_t bytes = tiles.size() * sizeof(DenseTile);
-  auto* device_tiles = static_cast<DenseTile*>(scratch(bytes));
-  cudaError_t status =
-      cudaMemcpyAsync(device_tiles, tiles.data(), bytes, cudaMemcpyHostToDevice, stream);
-  if (status == cudaSuccess) {
+  // A short schedule travels in the launch's parameters; a long one with the stream (scratch
+  // from the caller's stream-ordered arena, copy, launch).
+  cudaError_t status = cudaSuccess;
+  if (tiles.size() <= size_t(kDenseInlineTiles)) {
+    std::copy(tiles.begin(), tiles.end(), params.inline_tiles);
+    params.tiles = nullptr;
+  } else {
+    const size_t bytes = tiles.size() * sizeof(DenseTile);
+    auto* device_tiles = static_cast<DenseTile*>(scratch(bytes));
+    status = cudaMemcpyAsync(device_tiles, tiles.data(), bytes, cudaMemcpyHostToDevice, stream);
     params.tiles = device_tiles;
-    status = launch(params, stream);
   }
+  if (status == cudaSuccess) status = launch(params, stream);
   check_cuda(status, "cuda dense_mha launch");
 }
 

@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 
 #include "src/cuda/attention/warp_mma.cuh"
+#include "src/cuda/common/launch.h"
 #include "src/cuda/sm90/prefill/dense_mha/dense_mha_params.h"
 
 namespace dsakit::cuda::dense_mha {
@@ -66,7 +67,7 @@ __device__ __forceinline__ void load_split_rows(uint32_t tile, const bf16_t* per
 
 template <int kDimNope, int kDimRope, int kDimV>
 __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kThreads)
-    dense_mha_kernel(const DenseMhaParams p) {
+    dense_mha_kernel(const __grid_constant__ DenseMhaParams p) {
   using Tr = DenseMhaTraits<kDimNope, kDimRope, kDimV>;
   extern __shared__ __align__(128) char smem[];
   const uint32_t q_addr = smem_addr(smem + Tr::kQOffset);
@@ -76,7 +77,8 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int g = lane / 4, q = lane % 4;
   const int h = int(blockIdx.x % unsigned(p.num_heads));
-  const DenseTile tile = p.tiles[blockIdx.x / unsigned(p.num_heads)];
+  const unsigned tile_index = blockIdx.x / unsigned(p.num_heads);
+  const DenseTile tile = p.tiles != nullptr ? p.tiles[tile_index] : p.inline_tiles[tile_index];
   const int64_t H = p.num_heads;
 
   // kv rows the tile reads: the last query row sees positions [0, first_query_pos + q_len - 1].
@@ -218,8 +220,9 @@ cudaError_t run_dense_mha(const DenseMhaParams& params, cudaStream_t stream) {
   using Tr = DenseMhaTraits<kDimNope, kDimRope, kDimV>;
   if (params.num_tiles == 0 || params.num_heads == 0) return cudaSuccess;
   auto* kernel = &dense_mha_kernel<kDimNope, kDimRope, kDimV>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  static std::atomic<uint64_t> smem_set{0};
+  const cudaError_t err =
+      opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), Tr::kSmemBytes, smem_set);
   if (err != cudaSuccess) return err;
   const int64_t num_ctas = int64_t(params.num_tiles) * params.num_heads;
   if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;

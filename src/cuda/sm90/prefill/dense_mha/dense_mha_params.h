@@ -19,6 +19,10 @@ struct DenseTile {
   int32_t first_query_pos;  // position of row q_begin in its request: L_r - E_r + i0
 };
 
+// Schedules of up to this many tiles travel in the launch's parameters (2 KiB; prompts up to
+// 8K tokens in one request); longer ones are copied to the device first.
+inline constexpr int kDenseInlineTiles = 128;
+
 struct DenseMhaParams {
   const bf16_t* q_nope;    // [T, H, d_nope]
   const bf16_t* q_pe;      // [T, H, d_rope]
@@ -27,10 +31,11 @@ struct DenseMhaParams {
   const bf16_t* v;         // [N, H, d_v]
   bf16_t* o;               // [T, H, d_v]
   float* lse;              // [T, H] natural log
-  const DenseTile* tiles;  // [num_tiles] device copy of the schedule
+  const DenseTile* tiles;  // [num_tiles] device copy of the schedule, or null: inline_tiles
   int num_tiles;
   int num_heads;  // H
   float sm_scale;
+  DenseTile inline_tiles[kDenseInlineTiles];  // the schedule when tiles == null
 };
 
 inline constexpr int kDenseBlockM = 64;  // query rows per tile

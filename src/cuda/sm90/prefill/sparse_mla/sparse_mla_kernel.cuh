@@ -27,6 +27,7 @@
 #include <cuda_fp8.h>
 
 #include "src/cuda/attention/warp_mma.cuh"
+#include "src/cuda/common/launch.h"
 #include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_params.h"
 
 namespace dsakit::cuda::sparse_mla {
@@ -405,8 +406,9 @@ cudaError_t run_sparse_mla(const SparseMlaParams& params, cudaStream_t stream) {
   using Tr = SparseMlaTraits<kHeadsPerCta, kLayout>;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
   auto* kernel = &sparse_mla_kernel<kHeadsPerCta, kLayout>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  static std::atomic<uint64_t> smem_set{0};
+  const cudaError_t err =
+      opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), Tr::kSmemBytes, smem_set);
   if (err != cudaSuccess) return err;
   const int64_t num_groups = (params.num_heads + kHeadsPerCta - 1) / kHeadsPerCta;
   const int64_t num_ctas = params.num_tokens * num_groups;
