@@ -32,8 +32,11 @@ enum class AttentionPath : uint8_t;
 inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correction
 // 2: dense MHA schedule from the arena; 3: the layer's sparse MLA stops at each token's
 // context length (topk_length); 4: the layer uploads its index arrays in one copy; 5: the CUDA
-// indexer skips query quantization and logits when every context fits index_topk.
-inline constexpr int kCostKernelRevision = 5;
+// indexer skips query quantization and logits when every context fits index_topk; 6: CUDA dense
+// MHA splits the kv blocks of short grids (split-KV + merge), reads bf16 inputs instead of
+// gathering them when the pool would return them unchanged, and carries its schedule in the
+// launch parameters.
+inline constexpr int kCostKernelRevision = 6;
 
 // The terms of the table above; names as written in profiles.
 enum class CostTerm : uint8_t { kOne, kR, kT, kN, kTH, kNH, kCH, kKH, kCHi };

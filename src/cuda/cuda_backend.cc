@@ -574,10 +574,12 @@ void CudaBackend::sparse_mla(const SparseMlaArgs& args) {
 void CudaBackend::dense_mha(const DenseMhaArgs& args) {
   activate();
   validate::dense_mha(args, Device::kCuda);
-  Tensor schedule;  // freed after the launch: the arena reuses it in stream order only
+  // The schedule and split-KV partials: freed after the launches (the arena reuses them in
+  // stream order only).
+  std::vector<Tensor> scratch;
   cuda_dense_mha(args, stream_, [&](size_t bytes) {
-    schedule = empty(DType::kU8, {int64_t(bytes)});
-    return schedule.view().data;
+    scratch.push_back(empty(DType::kU8, {int64_t(bytes)}));
+    return scratch.back().view().data;
   });
 }
 

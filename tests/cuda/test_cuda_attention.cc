@@ -9,7 +9,7 @@
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
-#include "src/cuda/sm90/prefill/dense_mha/dense_mha_params.h"
+#include "src/cuda/sm90/prefill/dense_mha/dense_mha_schedule.h"
 #include "src/reference/reference.h"
 #include "tests/common/test_util.h"
 
@@ -224,6 +224,97 @@ TEST_F(CudaSparseMla, UnsupportedDtypeIsRejectedNamingTheArgument) {
 
 // ---- dense MHA ---------------------------------------------------------------------------------
 
+// ---- dense MHA schedule (host only: runs without a GPU) -----------------------------------------
+
+using cuda::dense_mha::build_dense_schedule;
+using cuda::dense_mha::DenseSchedule;
+using cuda::dense_mha::DenseTile;
+using cuda::dense_mha::kDenseBlockM;
+using cuda::dense_mha::kDenseBlockN;
+
+// Every (request row, kv block the row sees) is covered by exactly one tile, every tile's rows
+// lie in one request, parts and slots are consistent, and tiles go heaviest first.
+void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& cu_q,
+                            const std::vector<int32_t>& cu_kv) {
+  const int b = int(cu_q.size()) - 1;
+  // covered[row][block] counts over all tiles.
+  std::vector<std::vector<int>> covered(size_t(cu_q.back()));
+  for (int r = 0; r < b; ++r)
+    for (int32_t i = cu_q[r]; i < cu_q[r + 1]; ++i) {
+      const int32_t pos = cu_kv[r + 1] - cu_kv[r] - (cu_q[r + 1] - i);  // row's position
+      covered[size_t(i)].assign(size_t(pos / kDenseBlockN + 1), 0);
+    }
+  for (size_t k = 0; k < s.tiles.size(); ++k) {
+    const DenseTile& t = s.tiles[k];
+    ASSERT_GE(t.q_len, 1);
+    ASSERT_LE(t.q_len, kDenseBlockM);
+    ASSERT_GE(t.part, 0);
+    ASSERT_LT(t.part, s.parts);
+    ASSERT_LE(t.block_begin, t.block_end);
+    if (k > 0) {
+      EXPECT_GE(s.tiles[k - 1].block_end - s.tiles[k - 1].block_begin, t.block_end - t.block_begin);
+    }
+    for (int32_t i = 0; i < t.q_len; ++i) {
+      auto& row = covered[size_t(t.q_begin + i)];
+      const int32_t pos = t.first_query_pos + i;
+      for (int32_t blk = t.block_begin; blk < t.block_end && blk * kDenseBlockN <= pos; ++blk)
+        ++row[size_t(blk)];
+    }
+  }
+  for (size_t i = 0; i < covered.size(); ++i)
+    for (size_t blk = 0; blk < covered[i].size(); ++blk)
+      ASSERT_EQ(covered[i][blk], 1) << "row " << i << " block " << blk;
+}
+
+TEST(DenseMhaSchedule, ShortPromptWithFewHeadsIsSplitToFillTheSms) {
+  // T = 256, 16 heads, 132 SMs: 4 tiles x 16 heads = 64 CTAs; splits of one block each give
+  // 10 working tiles x 16 = 160 <= 264 CTAs, 4 parts.
+  const std::vector<int32_t> cu_q{0, 256}, cu_kv{0, 256};
+  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 16, 132);
+  EXPECT_EQ(s.parts, 4);
+  EXPECT_EQ(s.blocks_per_split, 1);
+  EXPECT_EQ(s.tiles.size(), 16u);
+  expect_schedule_covers(s, cu_q, cu_kv);
+}
+
+TEST(DenseMhaSchedule, FullGridIsNotSplit) {
+  // 128 heads: 4 tiles x 128 heads fill the SMs already.
+  const std::vector<int32_t> cu_q{0, 256}, cu_kv{0, 256};
+  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 128, 132);
+  EXPECT_EQ(s.parts, 1);
+  EXPECT_EQ(s.tiles.size(), 4u);
+  expect_schedule_covers(s, cu_q, cu_kv);
+}
+
+TEST(DenseMhaSchedule, ShortExtendOverALongPrefixIsSplit) {
+  // P = 1984, E = 64, 16 heads: one tile over 32 blocks; runs of 2 blocks -> 16 x 16 = 256 CTAs.
+  const std::vector<int32_t> cu_q{0, 64}, cu_kv{0, 2048};
+  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 16, 132);
+  EXPECT_EQ(s.blocks_per_split, 2);
+  EXPECT_EQ(s.parts, 16);
+  expect_schedule_covers(s, cu_q, cu_kv);
+}
+
+TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  Rng rng(seed);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int b = int(rng.randint(1, 5));
+    std::vector<int32_t> cu_q{0}, cu_kv{0};
+    for (int r = 0; r < b; ++r) {
+      const auto e = int32_t(rng.randint(0, 299)), p = int32_t(rng.randint(0, 2999));
+      cu_q.push_back(cu_q.back() + e);
+      cu_kv.push_back(cu_kv.back() + p + e);
+    }
+    const int64_t heads = std::vector<int64_t>{1, 4, 16, 64, 128}[size_t(rng.randint(0, 4))];
+    const int sms = int(rng.randint(1, 200));
+    const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms);
+    expect_schedule_covers(s, cu_q, cu_kv);
+    if (HasFatalFailure()) return;
+  }
+}
+
 struct DenseCase {
   int d_nope, d_v, num_heads;
   std::vector<std::pair<int, int>> prefix_extend;  // per request (P_r, E_r)
@@ -238,6 +329,13 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
       {192, 256, 64, {{0, 100}, {37, 5}, {200, 130}}},
       {192, 256, 16, {{3, 1}, {0, 65}, {500, 0}, {10, 200}}},
   };
+  // Split-KV (fewer tiles x heads than SMs): a short extend over a long prefix (16 parts), one
+  // decode-like row with 128 heads (2 parts), and a split schedule too long for the launch
+  // parameters (20 tiles x 20 parts).
+  cases.push_back({128, 128, 16, {{1990, 64}}});
+  cases.push_back({192, 256, 16, {{1000, 40}, {0, 3}}});
+  cases.push_back({128, 128, 128, {{2047, 1}}});
+  cases.push_back({192, 256, 1, {{0, 1280}}});
   // More tiles than the launch parameters carry (kDenseInlineTiles): the schedule is copied.
   DenseCase many{128, 128, 4, {}};
   for (int r = 0; r < 150; ++r) many.prefix_extend.push_back({r % 7, 1 + r % 5});

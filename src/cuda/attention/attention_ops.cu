@@ -3,13 +3,16 @@
 #include "src/cuda/attention/attention_ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <vector>
 
 #include "dsakit/error.h"
 #include "src/cuda/attention/dispatch.h"
+#include "src/cuda/attention/merge_kernels.h"
 #include "src/cuda/common/dispatch.h"
 #include "src/cuda/sm90/prefill/dense_mha/dense_mha_params.h"
+#include "src/cuda/sm90/prefill/dense_mha/dense_mha_schedule.h"
 #include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_params.h"
 
 namespace dsakit {
@@ -17,6 +20,8 @@ namespace {
 
 using cuda::attention::dispatch_dense_dims;
 using cuda::attention::dispatch_heads_per_cta;
+using cuda::dense_mha::build_dense_schedule;
+using cuda::dense_mha::DenseSchedule;
 
 void check_cuda(cudaError_t err, const char* what) {
   DSAKIT_CHECK(err == cudaSuccess, kBackend, what, ": ", cudaGetErrorName(err), " (",
@@ -33,24 +38,18 @@ const T* data_or_null(const TensorView& t) {
   return t.ndim == 0 ? nullptr : t.ptr<const T>();
 }
 
-// Query tiles of <= 64 rows per request, heaviest (most kv rows) first so the long tiles start
-// early; ties keep batch order, so the schedule is deterministic.
-std::vector<cuda::dense_mha::DenseTile> build_dense_schedule(const DenseMhaArgs& a) {
-  using cuda::dense_mha::DenseTile;
-  using cuda::dense_mha::kDenseBlockM;
-  std::vector<DenseTile> tiles;
-  for (int r = 0; r < a.num_requests; ++r) {
-    const int32_t q_begin = a.cu_q_host[r], extend = a.cu_q_host[r + 1] - q_begin;
-    const int32_t kv_len = a.cu_kv_host[r + 1] - a.cu_kv_host[r];
-    const int32_t prefix = kv_len - extend;
-    for (int32_t i0 = 0; i0 < extend; i0 += kDenseBlockM)
-      tiles.push_back(
-          {q_begin + i0, std::min(kDenseBlockM, extend - i0), a.cu_kv_host[r], prefix + i0});
-  }
-  std::stable_sort(tiles.begin(), tiles.end(), [](const DenseTile& x, const DenseTile& y) {
-    return x.first_query_pos + x.q_len > y.first_query_pos + y.q_len;
-  });
-  return tiles;
+// Streaming multiprocessors of the current device, read once per device.
+int current_sm_count() {
+  static std::atomic<int> cached[64] = {};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device >= 0 && device < 64 && cached[device].load(std::memory_order_relaxed) > 0)
+    return cached[device].load(std::memory_order_relaxed);
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(MultiProcessorCount)");
+  if (device >= 0 && device < 64) cached[device].store(sms, std::memory_order_relaxed);
+  return std::max(sms, 1);
 }
 
 // Row size the sparse MLA kernel assumes for a pool layout (d_c 512, d_rope 64).
@@ -140,20 +139,7 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
   DSAKIT_CHECK(num_kv <= INT32_MAX, kUnsupported, kOp, ": ", num_kv,
                " kv rows; the CUDA kernel supports up to 2^31 - 1");
 
-  const std::vector<DenseTile> tiles = build_dense_schedule(a);
-  if (tiles.empty() || num_heads == 0) return;
-
-  DenseMhaParams params{};
-  params.q_nope = a.q_nope.ptr<const bf16_t>();
-  params.q_pe = a.q_pe.ptr<const bf16_t>();
-  params.k_nope = a.k_nope.ptr<const bf16_t>();
-  params.k_pe = a.k_pe.ptr<const bf16_t>();
-  params.v = a.v.ptr<const bf16_t>();
-  params.o = a.o.ptr<bf16_t>();
-  params.lse = a.lse.ptr<float>();
-  params.num_tiles = int(tiles.size());
-  params.num_heads = int(num_heads);
-  params.sm_scale = float(a.sm_scale);
+  if (num_heads == 0 || a.num_requests == 0 || a.cu_q_host[a.num_requests] == 0) return;
 
   // The kernel's launcher for the requested head dims; none -> kUnsupported before any
   // allocation.
@@ -164,6 +150,27 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
   DSAKIT_CHECK(launch != nullptr, kUnsupported, kOp, ": requires (d_nope, d_rope, d_v) = (", d_nope,
                ", ", d_rope, ", ", d_v, "); the CUDA kernels support ",
                cuda::attention::kDenseMhaSupportedDims);
+
+  const DenseSchedule schedule = build_dense_schedule(a.cu_q_host, a.cu_kv_host, a.num_requests,
+                                                      num_heads, current_sm_count());
+  const std::vector<DenseTile>& tiles = schedule.tiles;
+  const int64_t num_tokens = a.q_nope.shape[0];
+  DenseMhaParams params{};
+  params.q_nope = a.q_nope.ptr<const bf16_t>();
+  params.q_pe = a.q_pe.ptr<const bf16_t>();
+  params.k_nope = a.k_nope.ptr<const bf16_t>();
+  params.k_pe = a.k_pe.ptr<const bf16_t>();
+  params.v = a.v.ptr<const bf16_t>();
+  params.o = a.o.ptr<bf16_t>();
+  params.lse = a.lse.ptr<float>();
+  params.rows = num_tokens * num_heads;
+  params.num_tiles = int(tiles.size());
+  params.num_heads = int(num_heads);
+  params.sm_scale = float(a.sm_scale);
+  if (schedule.parts > 1) {
+    params.o_parts = static_cast<float*>(scratch(size_t(schedule.parts * params.rows * d_v) * 4));
+    params.lse_parts = static_cast<float*>(scratch(size_t(schedule.parts * params.rows) * 4));
+  }
 
   // A short schedule travels in the launch's parameters; a long one with the stream (scratch
   // from the caller's stream-ordered arena, copy, launch).
@@ -178,6 +185,10 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
     params.tiles = device_tiles;
   }
   if (status == cudaSuccess) status = launch(params, stream);
+  if (status == cudaSuccess && schedule.parts > 1)
+    status = cuda::launch_merge_partials({params.o_parts, params.lse_parts, a.o.data, params.lse,
+                                          false, params.rows, schedule.parts, d_v},
+                                         stream);
   check_cuda(status, "cuda dense_mha launch");
 }
 

@@ -1,6 +1,7 @@
 // Dense MHA prefill kernel (DESIGN.md §3.5), FlashAttention-2 style, bf16 in / fp32 accumulate.
 //
-// One CTA of 4 warps per (query tile of <= 64 rows of one request, head). Warp w owns query rows
+// One CTA of 4 warps per (tile, head): a tile is <= 64 query rows of one request and a range of
+// its kv blocks (all of them, or one split of them: DenseTile). Warp w owns query rows
 // [16w, 16w + 16) and keeps their whole softmax state in registers: S = Q·K^T (16 x 64 per kv
 // block), the online max / sum, and O (16 x d_v). P feeds the P·V MMA straight from the S
 // accumulators (the C layout of two adjacent n-tiles is the A layout of one k-step).
@@ -25,7 +26,7 @@ template <int kDimNope, int kDimRope, int kDimV>
 struct DenseMhaTraits {
   static constexpr int kThreads = 128;
   static constexpr int kBlockM = kDenseBlockM;  // query rows per CTA (16 per warp)
-  static constexpr int kBlockN = 64;            // kv rows per stage
+  static constexpr int kBlockN = kDenseBlockN;  // kv rows per stage
   static constexpr int kDimQk = kDimNope + kDimRope;
   static constexpr int kChunksNope = kDimNope / 8;
   static constexpr int kChunksQk = kDimQk / 8;
@@ -81,9 +82,11 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
   const DenseTile tile = p.tiles != nullptr ? p.tiles[tile_index] : p.inline_tiles[tile_index];
   const int64_t H = p.num_heads;
 
-  // kv rows the tile reads: the last query row sees positions [0, first_query_pos + q_len - 1].
+  // kv rows the tile reads: the last query row sees positions [0, first_query_pos + q_len - 1],
+  // of which blocks [block_begin, block_end) are this tile's (may be none: a split past them).
   const int kv_len = tile.first_query_pos + tile.q_len;
-  const int num_blocks = (kv_len + Tr::kBlockN - 1) / Tr::kBlockN;
+  const int block_begin = tile.block_begin;
+  const int block_end = min(tile.block_end, (kv_len + Tr::kBlockN - 1) / Tr::kBlockN);
 
   const auto load_kv = [&](int block, int stage) {
     const int64_t row0 = int64_t(tile.kv_begin) + int64_t(block) * Tr::kBlockN;
@@ -98,10 +101,12 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
   };
 
   const int64_t q_row0 = tile.q_begin;
-  load_split_rows<Tr::kBlockM, Tr::kThreads, kDimNope, kDimRope>(
-      q_addr, p.q_nope + (q_row0 * H + h) * kDimNope, H * kDimNope,
-      p.q_pe + (q_row0 * H + h) * kDimRope, H * kDimRope, tile.q_len, tid);
-  load_kv(0, 0);
+  if (block_begin < block_end) {  // else only the "no key" rows are written below
+    load_split_rows<Tr::kBlockM, Tr::kThreads, kDimNope, kDimRope>(
+        q_addr, p.q_nope + (q_row0 * H + h) * kDimNope, H * kDimNope,
+        p.q_pe + (q_row0 * H + h) * kDimRope, H * kDimRope, tile.q_len, tid);
+    load_kv(block_begin, 0);
+  }
   cp_async_commit();
 
   const float scale_log2 = p.sm_scale * kLog2e;
@@ -116,9 +121,9 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
   const int row_in_tile = warp * 16 + g;
   const int limit[2] = {tile.first_query_pos + row_in_tile, tile.first_query_pos + row_in_tile + 8};
 
-  for (int b = 0; b < num_blocks; ++b) {
-    const int stage = b & 1;
-    if (b + 1 < num_blocks) load_kv(b + 1, stage ^ 1);
+  for (int b = block_begin; b < block_end; ++b) {
+    const int stage = (b - block_begin) & 1;
+    if (b + 1 < block_end) load_kv(b + 1, stage ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -201,17 +206,31 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(row_sum[r]);  // >= 1: every query sees at least its own key
+    // l >= 1 when the tile covers all of the row's blocks (every query sees its own key); a
+    // split may hold none of the row's keys (l = 0: lse +inf, o 0). NaN inputs keep l NaN.
+    const float l = quad_sum(row_sum[r]);
     const int row = row_in_tile + 8 * r;
     if (row >= tile.q_len) continue;
-    const float inv = 1.f / l;
+    const bool no_key = l == 0.f;
+    const float inv = no_key ? 0.f : 1.f / l;
+    const float lse = no_key ? INFINITY : (row_max[r] + log2f(l)) * kLn2;
     const int64_t out_row = (q_row0 + row) * H + h;
-    bf16_t* out = p.o + out_row * kDimV + 2 * q;
+    if (p.o_parts == nullptr) {
+      bf16_t* out = p.o + out_row * kDimV + 2 * q;
 #pragma unroll
-    for (int j = 0; j < Tr::kVTiles; ++j)
-      *reinterpret_cast<uint32_t*>(out + j * 8) =
-          pack_bf16x2(acc_o[j][2 * r] * inv, acc_o[j][2 * r + 1] * inv);
-    if (q == 0) p.lse[out_row] = (row_max[r] + log2f(l)) * kLn2;
+      for (int j = 0; j < Tr::kVTiles; ++j)
+        *reinterpret_cast<uint32_t*>(out + j * 8) =
+            pack_bf16x2(acc_o[j][2 * r] * inv, acc_o[j][2 * r + 1] * inv);
+      if (q == 0) p.lse[out_row] = lse;
+    } else {
+      const int64_t slot_row = int64_t(tile.part) * p.rows + out_row;
+      float* out = p.o_parts + slot_row * kDimV + 2 * q;
+#pragma unroll
+      for (int j = 0; j < Tr::kVTiles; ++j)
+        *reinterpret_cast<float2*>(out + j * 8) =
+            make_float2(acc_o[j][2 * r] * inv, acc_o[j][2 * r + 1] * inv);
+      if (q == 0) p.lse_parts[slot_row] = lse;
+    }
   }
 }
 

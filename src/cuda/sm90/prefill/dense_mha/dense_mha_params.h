@@ -10,35 +10,48 @@
 
 namespace dsakit::cuda::dense_mha {
 
-// One query tile of one request, built on the host from cu_q / cu_kv. Query row
-// q_begin + i (0 <= i < q_len <= 64) sees kv rows kv_begin + [0, first_query_pos + i].
+inline constexpr int kDenseBlockM = 64;  // query rows per tile
+inline constexpr int kDenseBlockN = 64;  // kv rows per block (the kernel's pipeline stage)
+
+// One unit of work, built on the host from cu_q / cu_kv: query rows of one request against the
+// kv blocks [block_begin, block_end) of that request. Query row q_begin + i (0 <= i < q_len <=
+// 64) sees kv rows kv_begin + [0, first_query_pos + i]; blocks past its last visible row are
+// not read. Without split-KV a tile covers every block its rows see (part 0); with it, a row's
+// blocks are spread over several tiles, each writing partial slot `part`.
 struct DenseTile {
   int32_t q_begin;          // first query row (global, into q / o)
   int32_t q_len;            // query rows in the tile, 1..64
   int32_t kv_begin;         // cu_kv[r]
   int32_t first_query_pos;  // position of row q_begin in its request: L_r - E_r + i0
+  int32_t block_begin;      // first kv block (kDenseBlockN rows each) of this tile
+  int32_t block_end;        // one past the last; may exceed the blocks the rows see
+  int32_t part;             // partial slot when split (o_parts != null), else 0
+  int32_t unused = 0;
 };
 
-// Schedules of up to this many tiles travel in the launch's parameters (2 KiB; prompts up to
-// 8K tokens in one request); longer ones are copied to the device first.
-inline constexpr int kDenseInlineTiles = 128;
+// Schedules of up to this many tiles travel in the launch's parameters (3 KiB: prompts up to
+// 6K tokens in one request without split-KV); longer ones are copied to the device first.
+inline constexpr int kDenseInlineTiles = 96;
 
 struct DenseMhaParams {
-  const bf16_t* q_nope;    // [T, H, d_nope]
-  const bf16_t* q_pe;      // [T, H, d_rope]
-  const bf16_t* k_nope;    // [N, H, d_nope]
-  const bf16_t* k_pe;      // [N, d_rope]   shared by all heads
-  const bf16_t* v;         // [N, H, d_v]
-  bf16_t* o;               // [T, H, d_v]
-  float* lse;              // [T, H] natural log
+  const bf16_t* q_nope;  // [T, H, d_nope]
+  const bf16_t* q_pe;    // [T, H, d_rope]
+  const bf16_t* k_nope;  // [N, H, d_nope]
+  const bf16_t* k_pe;    // [N, d_rope]   shared by all heads
+  const bf16_t* v;       // [N, H, d_v]
+  bf16_t* o;             // [T, H, d_v]           (o_parts == null)
+  float* lse;            // [T, H] natural log    (o_parts == null)
+  // Split-KV: each tile writes its rows' attention over its blocks, normalized, to slot `part`
+  // (merge_partials combines the slots by lse); a row that sees no key there writes lse = +inf.
+  float* o_parts;          // [num_parts, T, H, d_v] or null
+  float* lse_parts;        // [num_parts, T, H]
+  int64_t rows;            // T * H: the slot stride of lse_parts (and of o_parts, x d_v)
   const DenseTile* tiles;  // [num_tiles] device copy of the schedule, or null: inline_tiles
   int num_tiles;
   int num_heads;  // H
   float sm_scale;
   DenseTile inline_tiles[kDenseInlineTiles];  // the schedule when tiles == null
 };
-
-inline constexpr int kDenseBlockM = 64;  // query rows per tile
 
 // Launches one CTA per (tile, head). Returns the launch status.
 template <int kDimNope, int kDimRope, int kDimV>

@@ -1,0 +1,29 @@
+// The dense MHA kernel's work list (host side): query tiles of <= 64 rows per request, each over
+// the kv blocks its rows see, split over several CTAs when the grid would leave SMs idle.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "src/cuda/sm90/prefill/dense_mha/dense_mha_params.h"
+
+namespace dsakit::cuda::dense_mha {
+
+struct DenseSchedule {
+  std::vector<DenseTile> tiles;  // heaviest (most kv blocks) first; ties in batch order
+  int parts = 1;  // > 1: split-KV; tiles write partial slots 0..parts-1, merged afterwards
+  int32_t blocks_per_split = 0;  // kv blocks per split tile (parts > 1)
+};
+
+// Tiles of requests cu_q / cu_kv (host prefix sums [num_requests + 1]) for `num_heads` heads on
+// a device with `sm_count` SMs. Without a split every tile covers all of its rows' kv blocks.
+// When tiles x heads < sm_count (short prompts, or a short extend over a long prefix, with few
+// heads per rank) the longest tile would set the kernel's time on a mostly idle GPU: each
+// tile's blocks are cut into runs of `blocks_per_split`, the smallest run that keeps the CTAs
+// with work within two per SM (the kernel's occupancy), and every tile gets `parts` slots
+// (a run past a tile's blocks is empty: its rows write "no key", lse +inf).
+// Invariant: for every tile, its parts' block ranges are disjoint and cover [0, blocks).
+DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, int num_requests,
+                                   int64_t num_heads, int sm_count);
+
+}  // namespace dsakit::cuda::dense_mha
