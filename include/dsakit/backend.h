@@ -78,7 +78,9 @@ class Backend {
 
   // ---- memory -------------------------------------------------------------------------
   virtual Tensor empty(DType dtype, const std::vector<int64_t>& shape) = 0;
-  // Copies between any two devices; shapes' numel and dtypes must match.
+  // Copies between any two devices; shapes' numel and dtypes must match. In stream order with
+  // the backend's work; a host source may be reused as soon as copy() returns, a host
+  // destination holds the data when it returns (a device-to-host copy synchronizes).
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
   virtual void fill_bytes(const TensorView& dst, uint8_t byte) = 0;
   // Fills with NaN (float tensors) or 0xFF bytes: poison before a kernel writes.

@@ -171,6 +171,14 @@ void CudaBackend::copy(const TensorView& dst, const TensorView& src) {
     return;
   }
   activate();
+  // A host source is copied to pinned staging at once and the DMA is queued behind the stream's
+  // work, without waiting for it (not while capturing a graph: a replay would re-read staging
+  // memory that has been reused since).
+  if (src.device == Device::kCpu && dst.device == Device::kCuda &&
+      dst.nbytes() <= PinnedStaging::kMaxBytes && !stream_is_capturing(stream_)) {
+    staging_.copy_to_device(dst.data, src.data, dst.nbytes(), stream_);
+    return;
+  }
   DSAKIT_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), cudaMemcpyDefault, stream_));
   // A host side is read or may be freed by the caller as soon as copy() returns.
   if (dst.device == Device::kCpu || src.device == Device::kCpu)

@@ -119,6 +119,7 @@ class CudaBackend final : public Backend {
   void* cublas_workspace_ = nullptr;
   std::shared_ptr<DeviceArena> arena_;
   Workspace workspace_;
+  PinnedStaging staging_;  // host -> device copies (declared last: destroyed first)
 };
 
 }  // namespace dsakit::cuda

@@ -266,14 +266,24 @@ void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& 
       ASSERT_EQ(covered[i][blk], 1) << "row " << i << " block " << blk;
 }
 
-TEST(DenseMhaSchedule, ShortPromptWithFewHeadsIsSplitToFillTheSms) {
-  // T = 256, 16 heads, 132 SMs: 4 tiles x 16 heads = 64 CTAs; splits of one block each give
-  // 10 working tiles x 16 = 160 <= 264 CTAs, 4 parts.
+TEST(DenseMhaSchedule, ShortPromptIsNotSplit) {
+  // T = 256, 16 heads, 132 SMs: 4 tiles x 16 heads = 64 CTAs, but the longest tile has only 4
+  // blocks (< kDenseMinSplitBlocks): no split.
   const std::vector<int32_t> cu_q{0, 256}, cu_kv{0, 256};
   const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 16, 132);
-  EXPECT_EQ(s.parts, 4);
+  EXPECT_EQ(s.parts, 1);
+  EXPECT_EQ(s.tiles.size(), 4u);
+  expect_schedule_covers(s, cu_q, cu_kv);
+}
+
+TEST(DenseMhaSchedule, SplitRunsFillTheSmsWithoutASecondWave) {
+  // Fresh 1024 tokens with one head: 16 tiles of 1..16 blocks; runs of one block give
+  // 136 working CTAs <= 2 x 132, 16 parts.
+  const std::vector<int32_t> cu_q{0, 1024}, cu_kv{0, 1024};
+  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 1, 132);
   EXPECT_EQ(s.blocks_per_split, 1);
-  EXPECT_EQ(s.tiles.size(), 16u);
+  EXPECT_EQ(s.parts, 16);
+  EXPECT_EQ(s.tiles.size(), 16u * 16u);
   expect_schedule_covers(s, cu_q, cu_kv);
 }
 
@@ -333,7 +343,7 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   // decode-like row with 128 heads (2 parts), and a split schedule too long for the launch
   // parameters (20 tiles x 20 parts).
   cases.push_back({128, 128, 16, {{1990, 64}}});
-  cases.push_back({192, 256, 16, {{1000, 40}, {0, 3}}});
+  cases.push_back({192, 256, 16, {{1000, 40}, {0, 3}, {1030, 0}}});
   cases.push_back({128, 128, 128, {{2047, 1}}});
   cases.push_back({192, 256, 1, {{0, 1280}}});
   // More tiles than the launch parameters carry (kDenseInlineTiles): the schedule is copied.

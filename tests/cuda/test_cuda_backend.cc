@@ -140,6 +140,28 @@ TEST_F(CudaBackendTest, CapabilitiesAndDeviceChoice) {
 
 // ---- pool -----------------------------------------------------------------------------------
 
+// Host -> device copies return without waiting for the stream (pinned staging ring): each
+// device tensor keeps the bytes its host buffer held at copy() time, even when the buffer is
+// overwritten at once, when more copies than the ring's slots are queued behind a kernel, and
+// for a copy too large for staging (the synchronizing path).
+TEST_F(CudaBackendTest, HostToDeviceCopiesKeepTheBytesOfTheirCallTime) {
+  SCOPED_TRACE(trace());
+  Tensor busy = gpu_->empty(DType::kF32, {int64_t(1) << 24});
+  std::vector<std::vector<int32_t>> want;
+  std::vector<Tensor> got;
+  for (int k = 0; k < 21; ++k) {
+    gpu_->poison(busy);  // work ahead of the copy on the stream
+    const int64_t n = k == 20 ? int64_t(cuda::PinnedStaging::kMaxBytes / 4 + 1) : 1 + 997 * k;
+    std::vector<int32_t> host(static_cast<size_t>(n));
+    for (auto& x : host) x = int32_t(rng().randint(-1000000, 1000000));
+    want.push_back(host);
+    got.push_back(gpu_->to_device(make_view(host.data(), DType::kI32, Device::kCpu, {n})));
+    std::fill(host.begin(), host.end(), -7);
+  }
+  for (size_t k = 0; k < want.size(); ++k)
+    EXPECT_EQ(i32_values(gpu_->to_host(got[k])), want[k]) << "copy " << k;
+}
+
 TEST_F(CudaBackendTest, StoreAndGatherAreBitIdenticalToCpu) {
   SCOPED_TRACE(trace());
   for (const PoolCase& c : kPoolCases) {

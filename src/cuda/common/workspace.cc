@@ -1,5 +1,8 @@
 #include "src/cuda/common/workspace.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "dsakit/error.h"
 #include "src/cuda/common/check.h"
 
@@ -95,6 +98,39 @@ void* Workspace::ensure(size_t bytes, cudaStream_t stream) {
 void Workspace::add_stats(MemoryStats& stats) const {
   stats.device_mallocs += mallocs_;
   stats.workspace_bytes += capacity_;
+}
+
+PinnedStaging::~PinnedStaging() {
+  // Errors are ignored: at process exit the CUDA context may already be gone.
+  for (Slot& slot : slots_) {
+    if (slot.done) {
+      cudaEventSynchronize(slot.done);
+      cudaEventDestroy(slot.done);
+    }
+    if (slot.host) cudaFreeHost(slot.host);
+  }
+}
+
+void PinnedStaging::copy_to_device(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Slot& slot = slots_[next_];
+  next_ = (next_ + 1) % kSlots;
+  if (slot.done == nullptr) {
+    DSAKIT_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+  } else {
+    DSAKIT_CUDA_CHECK(cudaEventSynchronize(slot.done));  // its previous DMA has finished
+  }
+  if (slot.capacity < bytes) {
+    if (slot.host) DSAKIT_CUDA_CHECK(cudaFreeHost(slot.host));
+    slot.host = nullptr;
+    slot.capacity = 0;
+    const size_t capacity = std::max<size_t>(bytes, size_t(64) << 10);
+    DSAKIT_CUDA_CHECK(cudaMallocHost(&slot.host, capacity));
+    slot.capacity = capacity;
+  }
+  std::memcpy(slot.host, src, bytes);
+  DSAKIT_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, stream));
+  DSAKIT_CUDA_CHECK(cudaEventRecord(slot.done, stream));
 }
 
 bool stream_is_capturing(cudaStream_t stream) {

@@ -95,6 +95,36 @@ class WorkspaceCarver {
   size_t offset_ = 0;
 };
 
+// Host -> device copies without a stream synchronization: the host bytes are first copied into
+// page-locked staging memory (so the caller may reuse or free its buffer as soon as stage()
+// returns), then a DMA from there is queued on the stream. Slots form a ring; a slot is reused
+// only after the event recorded behind its DMA has completed (waiting for it when the host runs
+// a whole ring ahead of the GPU). A pageable-memory cudaMemcpyAsync instead returns only after
+// the stream drained, so every layer call's index upload stalled the host behind the GPU.
+class PinnedStaging {
+ public:
+  PinnedStaging() = default;
+  ~PinnedStaging();
+  PinnedStaging(const PinnedStaging&) = delete;
+  PinnedStaging& operator=(const PinnedStaging&) = delete;
+
+  static constexpr size_t kMaxBytes = size_t(8) << 20;  // larger copies go the pageable way
+
+  // Copies bytes [src, src + bytes) to device `dst` in stream order. bytes <= kMaxBytes.
+  void copy_to_device(void* dst, const void* src, size_t bytes, cudaStream_t stream);
+
+ private:
+  struct Slot {
+    void* host = nullptr;
+    size_t capacity = 0;
+    cudaEvent_t done = nullptr;  // recorded after the slot's last DMA
+  };
+  static constexpr int kSlots = 8;
+  std::mutex mutex_;
+  Slot slots_[kSlots];
+  int next_ = 0;
+};
+
 // True while `stream` is being captured into a CUDA graph (no host sync, no cudaMalloc then).
 bool stream_is_capturing(cudaStream_t stream);
 

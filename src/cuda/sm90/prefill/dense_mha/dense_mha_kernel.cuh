@@ -223,13 +223,15 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
             pack_bf16x2(acc_o[j][2 * r] * inv, acc_o[j][2 * r + 1] * inv);
       if (q == 0) p.lse[out_row] = lse;
     } else {
+      // merge_partials skips a slot with lse +inf without reading its o: none is written.
       const int64_t slot_row = int64_t(tile.part) * p.rows + out_row;
+      if (q == 0) p.lse_parts[slot_row] = lse;
+      if (no_key) continue;
       float* out = p.o_parts + slot_row * kDimV + 2 * q;
 #pragma unroll
       for (int j = 0; j < Tr::kVTiles; ++j)
         *reinterpret_cast<float2*>(out + j * 8) =
             make_float2(acc_o[j][2 * r] * inv, acc_o[j][2 * r + 1] * inv);
-      if (q == 0) p.lse_parts[slot_row] = lse;
     }
   }
 }

@@ -42,7 +42,8 @@ struct DenseMhaParams {
   bf16_t* o;             // [T, H, d_v]           (o_parts == null)
   float* lse;            // [T, H] natural log    (o_parts == null)
   // Split-KV: each tile writes its rows' attention over its blocks, normalized, to slot `part`
-  // (merge_partials combines the slots by lse); a row that sees no key there writes lse = +inf.
+  // (merge_partials combines the slots by lse); a row that sees no key there writes only
+  // lse = +inf (its o slot is left unwritten: the merge does not read it).
   float* o_parts;          // [num_parts, T, H, d_v] or null
   float* lse_parts;        // [num_parts, T, H]
   int64_t rows;            // T * H: the slot stride of lse_parts (and of o_parts, x d_v)

@@ -21,7 +21,7 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
   }
   const auto blocks_of = [](const DenseTile& t) { return t.block_end - t.block_begin; };
   int32_t per_split = max_blocks;
-  if (int64_t(whole.size()) * num_heads < int64_t(sm_count)) {
+  if (int64_t(whole.size()) * num_heads < int64_t(sm_count) && max_blocks >= kDenseMinSplitBlocks) {
     for (per_split = 1; per_split < max_blocks; ++per_split) {
       int64_t working = 0;
       for (const DenseTile& t : whole) working += (blocks_of(t) + per_split - 1) / per_split;

@@ -15,13 +15,20 @@ struct DenseSchedule {
   int32_t blocks_per_split = 0;  // kv blocks per split tile (parts > 1)
 };
 
+// A split pays only when it shortens a long tile: on the H200 it cut a short extend over a
+// 2K-token prefix (one tile of 32 blocks, 16 heads) from ~0.1 ms to ~0.03 ms, but made a
+// 256/512-token prompt (4/8 blocks) slower, the partials' traffic and the merge costing more
+// than the blocks saved.
+inline constexpr int32_t kDenseMinSplitBlocks = 16;
+
 // Tiles of requests cu_q / cu_kv (host prefix sums [num_requests + 1]) for `num_heads` heads on
 // a device with `sm_count` SMs. Without a split every tile covers all of its rows' kv blocks.
-// When tiles x heads < sm_count (short prompts, or a short extend over a long prefix, with few
-// heads per rank) the longest tile would set the kernel's time on a mostly idle GPU: each
-// tile's blocks are cut into runs of `blocks_per_split`, the smallest run that keeps the CTAs
-// with work within two per SM (the kernel's occupancy), and every tile gets `parts` slots
-// (a run past a tile's blocks is empty: its rows write "no key", lse +inf).
+// When tiles x heads < sm_count (a short extend over a long prefix with few heads per rank)
+// and the longest tile has >= kDenseMinSplitBlocks blocks, that tile would set the kernel's
+// time on a mostly idle GPU: each tile's blocks are cut into runs of `blocks_per_split`, the
+// smallest run that keeps the CTAs with work within two per SM (the kernel's occupancy), and
+// every tile gets `parts` slots (a run past a tile's blocks is empty: its rows write "no key",
+// lse +inf).
 // Invariant: for every tile, its parts' block ranges are disjoint and cover [0, blocks).
 DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, int num_requests,
                                    int64_t num_heads, int sm_count);
