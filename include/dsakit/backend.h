@@ -21,10 +21,24 @@ struct Capabilities {
   int sm_arch = 0;                // 90 for sm_90; 0 on the CPU
   bool dense_mha = false;         // a dense MHA path exists for this device
   bool dense_kv_visible = false;  // dense_mha honours DenseMhaArgs::kv_visible (DCP)
+  // up_proj_kv and dense_mha also take k_nope / v as the two halves of one [N, H, d_nope + d_v]
+  // buffer (kv_halves()): the up-projection is then one GEMM instead of two.
+  bool kv_halves = false;
   // (d_nope, d_rope, d_v) the dense kernels are compiled for; empty: any (the CPU backend).
   std::vector<std::array<int, 3>> dense_head_dims;
   DType intermediate_dtype = DType::kF32;  // q_abs, o_lat, up-projected K/V
 };
+
+// k_nope [N, H, d_nope] and v [N, H, d_v] as views of one [N, H, d_nope + d_v] buffer (row n,
+// head h: d_nope values of k_nope then d_v of v), the layout a single up-projection GEMM with
+// kv_b_proj writes (its rows are [W_UK[h]; W_UV[h]] per head). For backends with
+// Capabilities::kv_halves.
+struct KvHalves {
+  TensorView k_nope, v;
+};
+KvHalves kv_halves(const TensorView& kv, int64_t d_nope);
+// True when (k_nope, v) are laid out as kv_halves() makes them (and not contiguous tensors).
+bool are_kv_halves(const TensorView& k_nope, const TensorView& v);
 
 // Indexer (DESIGN.md §3.2) over the index-key pool. Scores of token t cover positions
 // 0 … ctx_len[t]-1 of its request, whose locations are kv_locs[kv_start[t] + p].

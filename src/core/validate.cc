@@ -24,6 +24,19 @@ void check_locs_values(const int32_t* locs, int64_t n, int64_t num_locations, co
   }
 }
 
+// k_nope and v as the shape checks see them: the halves of one buffer (when allowed) stand for
+// the contiguous tensors of their shapes; anything else is checked as given.
+struct KvViews {
+  TensorView k_nope, v;
+};
+KvViews kv_for_checks(const TensorView& k_nope, const TensorView& v, bool kv_halves_ok) {
+  if (!kv_halves_ok || !are_kv_halves(k_nope, v)) return {k_nope, v};
+  const auto contiguous = [](const TensorView& t) {
+    return make_view(t.data, t.dtype, t.device, {t.shape[0], t.shape[1], t.shape[2]});
+  };
+  return {contiguous(k_nope), contiguous(v)};
+}
+
 }  // namespace
 
 void store_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
@@ -174,12 +187,13 @@ void up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
 }
 
 void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const TensorView& k_nope,
-                const TensorView& v, Device dev) {
+                const TensorView& v, Device dev, bool kv_halves_ok) {
   check_tensor(c_kv, "c_kv", kFloat, dev, {-1, -1});
   const int64_t n = c_kv.shape[0], dc = c_kv.shape[1];
-  check_tensor(k_nope, "k_nope", kFloat, dev, {n, -1, -1});
+  const KvViews kv = kv_for_checks(k_nope, v, kv_halves_ok);
+  check_tensor(kv.k_nope, "k_nope", kFloat, dev, {n, -1, -1});
   const int64_t h = k_nope.shape[1];
-  check_tensor(v, "v", kFloat, dev, {n, h, -1});
+  check_tensor(kv.v, "v", kFloat, dev, {n, h, -1});
   check_kv_b_proj(kv_b_proj, dev, h, k_nope.shape[2], v.shape[2], dc);
 }
 
@@ -199,15 +213,16 @@ void sparse_mla(const SparseMlaArgs& a, Device dev) {
                    "sm_scale: expected a positive finite value, got ", a.sm_scale);
 }
 
-void dense_mha(const DenseMhaArgs& a, Device dev) {
+void dense_mha(const DenseMhaArgs& a, Device dev, bool kv_halves_ok) {
   check_tensor(a.q_nope, "q_nope", kFloat, dev, {-1, -1, -1});
   const int64_t t = a.q_nope.shape[0], h = a.q_nope.shape[1], dn = a.q_nope.shape[2];
   check_tensor(a.q_pe, "q_pe", kFloat, dev, {t, h, -1});
   const int64_t dr = a.q_pe.shape[2];
-  check_tensor(a.k_nope, "k_nope", kFloat, dev, {-1, h, dn});
+  const KvViews kv = kv_for_checks(a.k_nope, a.v, kv_halves_ok);
+  check_tensor(kv.k_nope, "k_nope", kFloat, dev, {-1, h, dn});
   const int64_t n = a.k_nope.shape[0];
   check_tensor(a.k_pe, "k_pe", kFloat, dev, {n, dr});
-  check_tensor(a.v, "v", kFloat, dev, {n, h, -1});
+  check_tensor(kv.v, "v", kFloat, dev, {n, h, -1});
   const int64_t dv = a.v.shape[2];
   const int64_t b = a.num_requests;
   DSAKIT_CHECK_ARG(b >= 1, "dense_mha num_requests: expected >= 1, got ", b);

@@ -36,10 +36,12 @@ void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
               const TensorView& q_abs, Device dev);
 void up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
                const TensorView& o, Device dev);
+// kv_halves_ok: k_nope / v may also be the halves of one buffer (are_kv_halves), for backends
+// with Capabilities::kv_halves; otherwise both must be contiguous.
 void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const TensorView& k_nope,
-                const TensorView& v, Device dev);
+                const TensorView& v, Device dev, bool kv_halves_ok = false);
 void sparse_mla(const SparseMlaArgs& a, Device dev);
-void dense_mha(const DenseMhaArgs& a, Device dev);
+void dense_mha(const DenseMhaArgs& a, Device dev, bool kv_halves_ok = false);
 // host_*: host copies (nullptr skips value checks). Checks kv_start[t] + ctx_len[t] <= N_kv.
 void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
                             const TensorView& kv_start, const TensorView& ctx_len,

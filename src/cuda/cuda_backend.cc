@@ -559,9 +559,20 @@ void CudaBackend::up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj
 void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj,
                              const TensorView& k_nope, const TensorView& v) {
   activate();
-  validate::up_proj_kv(c_kv, kv_b_proj, k_nope, v, Device::kCuda);
+  validate::up_proj_kv(c_kv, kv_b_proj, k_nope, v, Device::kCuda, /*kv_halves_ok=*/true);
   const ProjectionDims dims{c_kv.shape[0], int(k_nope.shape[1]), int(k_nope.shape[2]),
                             int(v.shape[2]), int(c_kv.shape[1])};
+  if (are_kv_halves(k_nope, v) && !k_nope.is_contiguous()) {
+    // One GEMM writes both halves: per head, W rows [W_UK[h]; W_UV[h]] are contiguous, and the
+    // output [N, H, d_nope + d_v] is exactly kv_halves' buffer.
+    DSAKIT_CHECK(c_kv.dtype == DType::kBF16 && k_nope.dtype == DType::kBF16, kUnsupported,
+                 "cuda up_proj_kv: k_nope/v as halves of one buffer need bf16 c_kv and outputs; "
+                 "got c_kv ",
+                 to_string(c_kv.dtype), ", outputs ", to_string(k_nope.dtype));
+    DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, CUDA_R_16BF, c_kv.data, 0, kv_b_proj.data, 0,
+                                        dims.d_nope + dims.d_v, CUDA_R_16BF, k_nope.data));
+    return;
+  }
   const ProjectionOperands ops = prepare_projection(c_kv, kv_b_proj, {&k_nope, &v});
   // c_kv [N, d_c] is shared by every head: head stride 0.
   DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, ops.operand_type, c_kv.data, 0, ops.w, 0,
@@ -581,7 +592,7 @@ void CudaBackend::sparse_mla(const SparseMlaArgs& args) {
 
 void CudaBackend::dense_mha(const DenseMhaArgs& args) {
   activate();
-  validate::dense_mha(args, Device::kCuda);
+  validate::dense_mha(args, Device::kCuda, /*kv_halves_ok=*/true);
   // The schedule and split-KV partials: freed after the launches (the arena reuses them in
   // stream order only).
   std::vector<Tensor> scratch;

@@ -53,8 +53,21 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
     kpe_all = gathered_pe;
     stage("gather", [&] { be.gather_kv(pool, kv_locs, c_all, kpe_all); });
   }
-  Tensor k_nope = be.empty(mid, {n, h, c.qk_nope_head_dim});
-  Tensor v = be.empty(mid, {n, h, c.v_head_dim});
+  // K and V up-projected into one [N, H, d_nope + d_v] buffer (one GEMM) where the backend
+  // takes its halves, else into two tensors.
+  Tensor kv_up, k_nope_t, v_t;
+  TensorView k_nope, v;
+  if (be.capabilities().kv_halves) {
+    kv_up = be.empty(mid, {n, h, c.qk_nope_head_dim + c.v_head_dim});
+    const KvHalves halves = kv_halves(kv_up, c.qk_nope_head_dim);
+    k_nope = halves.k_nope;
+    v = halves.v;
+  } else {
+    k_nope_t = be.empty(mid, {n, h, c.qk_nope_head_dim});
+    v_t = be.empty(mid, {n, h, c.v_head_dim});
+    k_nope = k_nope_t;
+    v = v_t;
+  }
   stage("up_proj_kv", [&] { be.up_proj_kv(c_all, kv_b_proj, k_nope, v); });
   DenseMhaArgs a;
   a.q_nope = q_nope;

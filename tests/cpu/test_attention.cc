@@ -210,6 +210,32 @@ TEST_P(ProjectionTest, MatchesReference) {
       b.up_proj_kv(b.to_device(c_kv), w_dev, k_nope, v);
       expect_rel_l2(read(b, k_nope), ref_k_nope, tolerance(c.out), "up_proj_kv k_nope " + tag);
       expect_rel_l2(read(b, v), ref_v, tolerance(c.out), "up_proj_kv v " + tag);
+
+      // k_nope / v as the halves of one [rows, H, d_nope + d_v] buffer: one GEMM on a backend
+      // that takes them (bf16), a refusal naming k_nope on one that does not.
+      const Tensor kv = poisoned(b, c.out, {rows, d.heads, d.d_nope + d.d_v});
+      const KvHalves halves = kv_halves(kv, d.d_nope);
+      if (!b.capabilities().kv_halves) {
+        expect_error_naming(
+            [&] { b.up_proj_kv(b.to_device(c_kv), w_dev, halves.k_nope, halves.v); }, "k_nope");
+      } else if (c.in == DType::kBF16 && c.out == DType::kBF16) {
+        b.up_proj_kv(b.to_device(c_kv), w_dev, halves.k_nope, halves.v);
+        const Vec all = read(b, kv);
+        Vec kn, vv;
+        for (int64_t rh = 0; rh < rows * d.heads; ++rh) {
+          const auto row = all.begin() + rh * (d.d_nope + d.d_v);
+          kn.insert(kn.end(), row, row + d.d_nope);
+          vv.insert(vv.end(), row + d.d_nope, row + d.d_nope + d.d_v);
+        }
+        expect_rel_l2(kn, ref_k_nope, tolerance(c.out), "up_proj_kv halves k_nope " + tag);
+        expect_rel_l2(vv, ref_v, tolerance(c.out), "up_proj_kv halves v " + tag);
+      }
+      // Views that are not the halves of one buffer (v not right after k_nope) are refused.
+      KvHalves wrong = halves;
+      wrong.v.data = static_cast<char*>(wrong.v.data) + dtype_size(c.out);
+      wrong.v.shape[2] -= 1;
+      expect_error_naming([&] { b.up_proj_kv(b.to_device(c_kv), w_dev, wrong.k_nope, wrong.v); },
+                          "k_nope");
     });
   }
 }

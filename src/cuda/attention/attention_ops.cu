@@ -161,6 +161,11 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
   params.k_nope = a.k_nope.ptr<const bf16_t>();
   params.k_pe = a.k_pe.ptr<const bf16_t>();
   params.v = a.v.ptr<const bf16_t>();
+  // Contiguous [N, H, d] tensors or the halves of one [N, H, d_nope + d_v] buffer (validated).
+  params.k_row_stride = a.k_nope.stride[0];
+  params.k_head_stride = a.k_nope.stride[1];
+  params.v_row_stride = a.v.stride[0];
+  params.v_head_stride = a.v.stride[1];
   params.o = a.o.ptr<bf16_t>();
   params.lse = a.lse.ptr<float>();
   params.rows = num_tokens * num_heads;

@@ -31,7 +31,8 @@ cublasStatus_t gemm_absorb_q(cublasHandle_t handle, const ProjectionDims& dims,
                              cudaDataType out_type, void* q_abs);
 
 // out[r,h,:] = W_blk[h] · x[r,h,:] for a block of out_dim rows per head (W_UK: offset 0,
-// out_dim d_nope; W_UV: offset d_nope, out_dim d_v). x is [rows, H, d_c] (x_head_stride d_c) or
+// out_dim d_nope; W_UV: offset d_nope, out_dim d_v; both at once: offset 0, out_dim
+// d_nope + d_v). x is [rows, H, d_c] (x_head_stride d_c) or
 // one [rows, d_c] vector shared by every head (x_head_stride 0); out is [rows, H, out_dim].
 cublasStatus_t gemm_up_project(cublasHandle_t handle, const ProjectionDims& dims,
                                cudaDataType operand_type, const void* x, int64_t x_head_stride,

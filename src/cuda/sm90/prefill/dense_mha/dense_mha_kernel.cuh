@@ -92,12 +92,12 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
     const int64_t row0 = int64_t(tile.kv_begin) + int64_t(block) * Tr::kBlockN;
     const int ok_rows = min(Tr::kBlockN, kv_len - block * Tr::kBlockN);
     load_split_rows<Tr::kBlockN, Tr::kThreads, kDimNope, kDimRope>(
-        k_addr + stage * Tr::kKStageBytes, p.k_nope + (row0 * H + h) * kDimNope, H * kDimNope,
-        p.k_pe + row0 * kDimRope, kDimRope, ok_rows, tid);
+        k_addr + stage * Tr::kKStageBytes, p.k_nope + row0 * p.k_row_stride + h * p.k_head_stride,
+        p.k_row_stride, p.k_pe + row0 * kDimRope, kDimRope, ok_rows, tid);
     // V is a per-head tile with no shared part.
-    load_split_rows<Tr::kBlockN, Tr::kThreads, kDimV, 0>(v_addr + stage * Tr::kVStageBytes,
-                                                         p.v + (row0 * H + h) * kDimV, H * kDimV,
-                                                         nullptr, 0, ok_rows, tid);
+    load_split_rows<Tr::kBlockN, Tr::kThreads, kDimV, 0>(
+        v_addr + stage * Tr::kVStageBytes, p.v + row0 * p.v_row_stride + h * p.v_head_stride,
+        p.v_row_stride, nullptr, 0, ok_rows, tid);
   };
 
   const int64_t q_row0 = tile.q_begin;

@@ -36,11 +36,13 @@ inline constexpr int kDenseInlineTiles = 96;
 struct DenseMhaParams {
   const bf16_t* q_nope;  // [T, H, d_nope]
   const bf16_t* q_pe;    // [T, H, d_rope]
-  const bf16_t* k_nope;  // [N, H, d_nope]
+  const bf16_t* k_nope;  // [N, H, d_nope], rows k_row_stride apart, heads k_head_stride
   const bf16_t* k_pe;    // [N, d_rope]   shared by all heads
-  const bf16_t* v;       // [N, H, d_v]
-  bf16_t* o;             // [T, H, d_v]           (o_parts == null)
-  float* lse;            // [T, H] natural log    (o_parts == null)
+  const bf16_t* v;       // [N, H, d_v],    rows v_row_stride apart, heads v_head_stride
+  int64_t k_row_stride, k_head_stride;  // elements: H * d_nope, d_nope when contiguous
+  int64_t v_row_stride, v_head_stride;  // elements: H * d_v, d_v when contiguous
+  bf16_t* o;                            // [T, H, d_v]           (o_parts == null)
+  float* lse;                           // [T, H] natural log    (o_parts == null)
   // Split-KV: each tile writes its rows' attention over its blocks, normalized, to slot `part`
   // (merge_partials combines the slots by lse); a row that sees no key there writes only
   // lse = +inf (its o slot is left unwritten: the merge does not read it).
