@@ -33,6 +33,9 @@ struct DenseMhaTraits {
   static constexpr int kChunksV = kDimV / 8;
   static constexpr int kSTiles = kBlockN / 8;  // 8 n-tiles of S per warp
   static constexpr int kVTiles = kDimV / 8;    // n-tiles of O per warp
+  // Grouped tile loads (load_split_rows) keep per-thread bases live across the kv loop: the
+  // d_v = 256 instance, whose O accumulators take 128 registers, then spills ~320 bytes.
+  static constexpr bool kGroupedLoads = kDimV <= 128;
   static_assert(kDimNope % 8 == 0 && kDimRope % 8 == 0 && kDimQk % 16 == 0 && kDimV % 16 == 0);
   static_assert(kBlockM == 16 * (kThreads / kWarpSize));
 
@@ -47,22 +50,50 @@ struct DenseMhaTraits {
 };
 
 // Rows [0, kRows) of a [kRows][d_nope + d_rope] tile from a per-head part (row stride
-// head_stride elements, d_nope wide) and a part shared by all heads (d_rope wide); rows with
-// !row_ok are zero-filled without being read.
-template <int kRows, int kThreads, int kDimNope, int kDimRope>
+// per_head_stride elements, d_nope wide) and a part shared by all heads (d_rope wide); rows
+// >= num_ok_rows (>= 1) are zero-filled without being read.
+// kGrouped: thread t copies chunk columns (t % 8) + 8j of rows t / 8 + 16i. Every part is a
+// whole number of 8-chunk swizzle groups, so a thread's row & 7, and with it its swizzled
+// column within a group, is the same in every pass: each address is a per-thread base plus a
+// pass offset (no division or swizzle arithmetic per chunk; ~20% fewer instructions in the
+// kernel). Otherwise thread t copies chunks t, t + kThreads, ... of the row-major tile.
+template <int kRows, int kThreads, int kDimNope, int kDimRope, bool kGrouped>
 __device__ __forceinline__ void load_split_rows(uint32_t tile, const bf16_t* per_head,
                                                 int64_t per_head_stride, const bf16_t* shared,
                                                 int64_t shared_stride, int num_ok_rows, int tid) {
   constexpr int kChunksNope = kDimNope / 8;
   constexpr int kChunks = (kDimNope + kDimRope) / 8;
-  for (int i = tid; i < kRows * kChunks; i += kThreads) {
-    const int row = i / kChunks, chunk = i % kChunks;
-    const bool ok = row < num_ok_rows;
-    const int r = ok ? row : 0;
-    const bf16_t* src = chunk < kChunksNope
-                            ? per_head + r * per_head_stride + chunk * 8
-                            : shared + r * shared_stride + (chunk - kChunksNope) * 8;
-    cp_async_16(tile + SwizzledTile<kChunks>::offset(row, chunk), src, ok);
+  if constexpr (kGrouped) {
+    static_assert(kThreads == 128 && kRows % 16 == 0, "16 rows of 8 chunks per pass");
+    static_assert(kDimNope % 64 == 0 && kDimRope % 64 == 0, "parts of whole swizzle groups");
+    const int col = tid % 8, row0 = tid / 8;
+    const uint32_t dst0 = tile + uint32_t(row0 * kChunks + (col ^ (row0 & 7))) * 16u;
+    const bf16_t* src_head = per_head + row0 * per_head_stride + col * 8;
+#pragma unroll 1
+    for (int i = 0; i < kRows / 16; ++i) {
+      const bool ok = row0 + 16 * i < num_ok_rows;
+      const uint32_t dst = dst0 + uint32_t(16 * i * kChunks) * 16u;
+      // A row past the end reads nothing; its source stays a mapped address (row 0).
+      const bf16_t* src = ok ? src_head + 16 * i * per_head_stride : per_head;
+#pragma unroll
+      for (int j = 0; j < kDimNope / 64; ++j) cp_async_16(dst + j * 128u, src + 64 * j, ok);
+      if constexpr (kDimRope > 0) {
+        const bf16_t* src_shared = ok ? shared + (row0 + 16 * i) * shared_stride + col * 8 : shared;
+#pragma unroll
+        for (int j = 0; j < kDimRope / 64; ++j)
+          cp_async_16(dst + (kChunksNope + 8 * j) * 16u, src_shared + 64 * j, ok);
+      }
+    }
+  } else {
+    for (int i = tid; i < kRows * kChunks; i += kThreads) {
+      const int row = i / kChunks, chunk = i % kChunks;
+      const bool ok = row < num_ok_rows;
+      const int r = ok ? row : 0;
+      const bf16_t* src = chunk < kChunksNope
+                              ? per_head + r * per_head_stride + chunk * 8
+                              : shared + r * shared_stride + (chunk - kChunksNope) * 8;
+      cp_async_16(tile + SwizzledTile<kChunks>::offset(row, chunk), src, ok);
+    }
   }
 }
 
@@ -91,18 +122,18 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
   const auto load_kv = [&](int block, int stage) {
     const int64_t row0 = int64_t(tile.kv_begin) + int64_t(block) * Tr::kBlockN;
     const int ok_rows = min(Tr::kBlockN, kv_len - block * Tr::kBlockN);
-    load_split_rows<Tr::kBlockN, Tr::kThreads, kDimNope, kDimRope>(
+    load_split_rows<Tr::kBlockN, Tr::kThreads, kDimNope, kDimRope, Tr::kGroupedLoads>(
         k_addr + stage * Tr::kKStageBytes, p.k_nope + row0 * p.k_row_stride + h * p.k_head_stride,
         p.k_row_stride, p.k_pe + row0 * kDimRope, kDimRope, ok_rows, tid);
     // V is a per-head tile with no shared part.
-    load_split_rows<Tr::kBlockN, Tr::kThreads, kDimV, 0>(
+    load_split_rows<Tr::kBlockN, Tr::kThreads, kDimV, 0, Tr::kGroupedLoads>(
         v_addr + stage * Tr::kVStageBytes, p.v + row0 * p.v_row_stride + h * p.v_head_stride,
         p.v_row_stride, nullptr, 0, ok_rows, tid);
   };
 
   const int64_t q_row0 = tile.q_begin;
   if (block_begin < block_end) {  // else only the "no key" rows are written below
-    load_split_rows<Tr::kBlockM, Tr::kThreads, kDimNope, kDimRope>(
+    load_split_rows<Tr::kBlockM, Tr::kThreads, kDimNope, kDimRope, Tr::kGroupedLoads>(
         q_addr, p.q_nope + (q_row0 * H + h) * kDimNope, H * kDimNope,
         p.q_pe + (q_row0 * H + h) * kDimRope, H * kDimRope, tile.q_len, tid);
     load_kv(block_begin, 0);
