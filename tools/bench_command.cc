@@ -354,11 +354,13 @@ int bench_command(const BenchOptions& o) {
       {"copy_gbs", ceil.copy_gbs}, {"gemm_tflops", ceil.gemm_tflops}, {"gemm", ceil.gemm}};
   doc["profile"] = have_profile ? json(base.profile_path) : json(nullptr);
   doc["method"] = fmt::format(
-      "wall time of DsaAttention::forward between backend synchronizations (host planning and "
-      "index uploads included), median of {}..{} calls per mode (as many as fit in {} ms per "
-      "shape) after one warm-up call; the modes take turns in blocks of 4 calls whose first "
-      "(after a switch of path) is dropped; up to 3 input sets rotated; stage times from separate "
-      "calls that synchronize around each stage",
+      "time of DsaAttention::forward from an idle device by Backend::time_ms (CUDA: events "
+      "recorded on the stream before and after the call, so host planning, index uploads and "
+      "launch gaps count, a final synchronization's wake-up does not; CPU: wall time), median "
+      "of {}..{} calls per mode (as many as fit in {} ms per shape) after one warm-up call; the "
+      "modes take turns in blocks of 4 calls whose first (after a switch of path) is dropped; up "
+      "to 3 input sets rotated; enqueue_ms: host time until forward returns; stage times from "
+      "separate calls that time each stage alone the same way",
       std::min(o.min_runs, o.runs), o.runs, o.budget_ms);
   doc["rows"] = json::array();
   fmt::print("device {} | copy {:.0f} GB/s, GEMM {:.1f} TFLOP/s ({})\n", caps.device_name,

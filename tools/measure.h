@@ -32,7 +32,8 @@ struct BenchShape {
 
 // One policy's result on a shape.
 struct PolicyTiming {
-  double ms = 0;                         // median wall time of forward() incl. synchronize
+  double ms =
+      0;  // median time of forward() by Backend::time_ms (CUDA: events, from an idle stream)
   double enqueue_ms = 0;                 // median host time until forward() returns (no sync):
                                          // close to ms when the host, not the GPU, sets the pace
   int runs = 0;                          // timed calls behind the median

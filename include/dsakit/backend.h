@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -100,6 +101,11 @@ class Backend {
   // Fills with NaN (float tensors) or 0xFF bytes: poison before a kernel writes.
   virtual void poison(const TensorView& dst) = 0;
   virtual void synchronize() = 0;
+  // Milliseconds fn's work takes as the device sees it, from an idle device: CUDA times it with
+  // events recorded on the stream before and after fn (the gaps while the host enqueues are
+  // included, the wake-up of a final host synchronization is not); the default is wall time
+  // between two synchronize() calls.
+  virtual double time_ms(const std::function<void()>& fn);
 
   // The machine's ceilings, measured now (benchmarks print results against them): copy
   // bandwidth (read + write bytes of a large device-to-device copy) and the dense GEMM rate of

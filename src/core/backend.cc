@@ -1,6 +1,8 @@
 // Backend methods shared by every device, and the run-time backend choice.
 #include "dsakit/backend.h"
 
+#include <chrono>
+
 #include "dsakit/error.h"
 
 namespace dsakit {
@@ -61,6 +63,14 @@ bool are_kv_halves(const TensorView& k_nope, const TensorView& v) {
          v.stride[0] == h * (dn + dv) &&
          static_cast<const char*>(v.data) ==
              static_cast<const char*>(k_nope.data) + dn * int64_t(dtype_size(k_nope.dtype));
+}
+
+double Backend::time_ms(const std::function<void()>& fn) {
+  synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  synchronize();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 Tensor Backend::to_device(const TensorView& host) {

@@ -204,6 +204,32 @@ void CudaBackend::synchronize() {
   DSAKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+double CudaBackend::time_ms(const std::function<void()>& fn) {
+  activate();
+  // Events of this call (fn may time its own parts with time_ms).
+  cudaEvent_t start = nullptr, stop = nullptr;
+  DSAKIT_CUDA_CHECK(cudaEventCreate(&start));
+  const auto destroy = [&] {
+    cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+  };
+  float ms = 0;
+  try {
+    DSAKIT_CUDA_CHECK(cudaEventCreate(&stop));
+    DSAKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    DSAKIT_CUDA_CHECK(cudaEventRecord(start, stream_));
+    fn();
+    DSAKIT_CUDA_CHECK(cudaEventRecord(stop, stream_));
+    DSAKIT_CUDA_CHECK(cudaEventSynchronize(stop));
+    DSAKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  } catch (...) {
+    destroy();
+    throw;
+  }
+  destroy();
+  return double(ms);
+}
+
 Backend::Ceilings CudaBackend::measure_ceilings() {
   activate();
   // Median of 10 timed runs after 2 warm-ups, CUDA events on the backend's stream.

@@ -53,6 +53,7 @@ class CudaBackend final : public Backend {
   void fill_bytes(const TensorView& dst, uint8_t byte) override;
   void poison(const TensorView& dst) override;
   void synchronize() override;
+  double time_ms(const std::function<void()>& fn) override;
   Ceilings measure_ceilings() override;
   bool set_index_value_checks(bool on) override {
     const bool previous = options_.host_value_checks;

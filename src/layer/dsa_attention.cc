@@ -1,6 +1,5 @@
 // The layer call: validate -> store -> plan -> dense MHA or sparse MLA -> outputs.
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
 #include <functional>
 
@@ -200,12 +199,7 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
 
   const detail::StageFn stage = [&](const char* name, const std::function<void()>& fn) {
     if (!options_.time_stages) return fn();
-    be.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    be.synchronize();
-    const auto t1 = std::chrono::steady_clock::now();
-    res.stages.push_back({name, std::chrono::duration<double, std::milli>(t1 - t0).count()});
+    res.stages.push_back({name, be.time_ms(fn)});
   };
 
   res.o = be.empty(options_.output_dtype, {t, c.num_heads, c.v_head_dim});
