@@ -37,7 +37,7 @@ Capabilities cuda_capabilities(int sm_arch) {
   // The compiled dense instances: src/cuda/sm90/prefill/dense_mha/instantiations/*.cu, dispatched
   // by dispatch_dense_dims (src/cuda/attention/dispatch.h); keep the two lists equal
   // (tests/cuda/test_cuda_attention.cc runs both shapes).
-  c.dense_head_dims = {{128, 64, 128}, {192, 64, 256}};
+  c.dense_head_dims = {{128, 64, 128}, {192, 64, 128}, {192, 64, 256}};
   return c;
 }
 

@@ -346,6 +346,9 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   cases.push_back({192, 256, 16, {{1000, 40}, {0, 3}, {1030, 0}}});
   cases.push_back({128, 128, 128, {{2047, 1}}});
   cases.push_back({192, 256, 1, {{0, 1280}}});
+  // d_v = 256 on grids that leave SMs idle runs as two 128-column slices per head: alone (the
+  // fourth case above: 7 tiles x 16 heads) and with split-KV (32 parts x 2 heads).
+  cases.push_back({192, 256, 2, {{1990, 30}}});
   // More tiles than the launch parameters carry (kDenseInlineTiles): the schedule is copied.
   DenseCase many{128, 128, 4, {}};
   for (int r = 0; r < 150; ++r) many.prefix_extend.push_back({r % 7, 1 + r % 5});

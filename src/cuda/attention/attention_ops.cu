@@ -141,19 +141,25 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
 
   if (num_heads == 0 || a.num_requests == 0 || a.cu_q_host[a.num_requests] == 0) return;
 
-  // The kernel's launcher for the requested head dims; none -> kUnsupported before any
-  // allocation.
+  // The requested head dims need a kernel; none -> kUnsupported before any allocation.
+  DSAKIT_CHECK(dispatch_dense_dims(d_nope, d_rope, d_v, [](auto, auto, auto) {}), kUnsupported, kOp,
+               ": requires (d_nope, d_rope, d_v) = (", d_nope, ", ", d_rope, ", ", d_v,
+               "); the CUDA kernels support ", cuda::attention::kDenseMhaSupportedDims);
+
+  const int sm_count = current_sm_count();
+  const DenseSchedule schedule =
+      build_dense_schedule(a.cu_q_host, a.cu_kv_host, a.num_requests, num_heads, sm_count);
+  const std::vector<DenseTile>& tiles = schedule.tiles;
+  // A grid that leaves SMs idle with d_v = 256 (GLM-5) runs two CTAs per (tile, head), 128 V
+  // columns each (the d_v = 128 instance): both compute S, each does half the P·V work and
+  // loads half of V, and together they fill twice as many SMs.
+  const int v_slices = d_v == 256 && int64_t(tiles.size()) * num_heads < sm_count ? 2 : 1;
   cudaError_t (*launch)(const DenseMhaParams&, cudaStream_t) = nullptr;
-  dispatch_dense_dims(d_nope, d_rope, d_v, [&](auto nope, auto rope, auto v) {
+  dispatch_dense_dims(d_nope, d_rope, d_v / v_slices, [&](auto nope, auto rope, auto v) {
     launch = &run_dense_mha<decltype(nope)::value, decltype(rope)::value, decltype(v)::value>;
   });
-  DSAKIT_CHECK(launch != nullptr, kUnsupported, kOp, ": requires (d_nope, d_rope, d_v) = (", d_nope,
-               ", ", d_rope, ", ", d_v, "); the CUDA kernels support ",
-               cuda::attention::kDenseMhaSupportedDims);
-
-  const DenseSchedule schedule = build_dense_schedule(a.cu_q_host, a.cu_kv_host, a.num_requests,
-                                                      num_heads, current_sm_count());
-  const std::vector<DenseTile>& tiles = schedule.tiles;
+  DSAKIT_CHECK(launch != nullptr, kInternal, kOp, ": no instance for d_v slices of ",
+               d_v / v_slices);
   const int64_t num_tokens = a.q_nope.shape[0];
   DenseMhaParams params{};
   params.q_nope = a.q_nope.ptr<const bf16_t>();
@@ -171,6 +177,8 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
   params.rows = num_tokens * num_heads;
   params.num_tiles = int(tiles.size());
   params.num_heads = int(num_heads);
+  params.v_slices = v_slices;
+  params.d_v_total = d_v;
   params.sm_scale = float(a.sm_scale);
   if (schedule.parts > 1) {
     params.o_parts = static_cast<float*>(scratch(size_t(schedule.parts * params.rows * d_v) * 4));

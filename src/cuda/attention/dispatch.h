@@ -29,13 +29,20 @@ bool dispatch_heads_per_cta(int heads_per_cta, F&& f) {
   }
 }
 
-// Dense MHA (d_nope, d_rope, d_v): DeepSeek-V3.2 (128, 64, 128) and GLM-5 (192, 64, 256).
-inline constexpr const char* kDenseMhaSupportedDims = "(128, 64, 128), (192, 64, 256)";
+// Dense MHA (d_nope, d_rope, d_v): DeepSeek-V3.2 (128, 64, 128) and GLM-5 (192, 64, 256); the
+// (192, 64, 128) instance also runs GLM-5's short grids as two V column slices per head.
+inline constexpr const char* kDenseMhaSupportedDims =
+    "(128, 64, 128), (192, 64, 128), (192, 64, 256)";
 
 template <typename F>
 bool dispatch_dense_dims(int d_nope, int d_rope, int d_v, F&& f) {
   if (d_nope == 128 && d_rope == 64 && d_v == 128) {
     f(std::integral_constant<int, 128>{}, std::integral_constant<int, 64>{},
+      std::integral_constant<int, 128>{});
+    return true;
+  }
+  if (d_nope == 192 && d_rope == 64 && d_v == 128) {
+    f(std::integral_constant<int, 192>{}, std::integral_constant<int, 64>{},
       std::integral_constant<int, 128>{});
     return true;
   }

@@ -11,5 +11,6 @@ list(APPEND DSAKIT_CUDA_ATTENTION_SOURCES
   ${_dsakit_attention_dir}/sm90/prefill/sparse_mla/instantiations/h64_fp8raw.cu
   ${_dsakit_attention_dir}/sm90/prefill/dense_mha/dense_mha_schedule.cc
   ${_dsakit_attention_dir}/sm90/prefill/dense_mha/instantiations/nope128_rope64_v128.cu
+  ${_dsakit_attention_dir}/sm90/prefill/dense_mha/instantiations/nope192_rope64_v128.cu
   ${_dsakit_attention_dir}/sm90/prefill/dense_mha/instantiations/nope192_rope64_v256.cu)
 unset(_dsakit_attention_dir)

@@ -108,8 +108,12 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
 
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int g = lane / 4, q = lane % 4;
-  const int h = int(blockIdx.x % unsigned(p.num_heads));
-  const unsigned tile_index = blockIdx.x / unsigned(p.num_heads);
+  // blockIdx.x = (tile * H + h) * v_slices + v_slice; the CTA computes output columns
+  // [v_slice * d_v, (v_slice + 1) * d_v) of d_v_total (S is computed by every slice).
+  const int v_slice = int(blockIdx.x % unsigned(p.v_slices));
+  const unsigned tile_head = blockIdx.x / unsigned(p.v_slices);
+  const int h = int(tile_head % unsigned(p.num_heads));
+  const unsigned tile_index = tile_head / unsigned(p.num_heads);
   const DenseTile tile = p.tiles != nullptr ? p.tiles[tile_index] : p.inline_tiles[tile_index];
   const int64_t H = p.num_heads;
 
@@ -127,8 +131,9 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
         p.k_row_stride, p.k_pe + row0 * kDimRope, kDimRope, ok_rows, tid);
     // V is a per-head tile with no shared part.
     load_split_rows<Tr::kBlockN, Tr::kThreads, kDimV, 0, Tr::kGroupedLoads>(
-        v_addr + stage * Tr::kVStageBytes, p.v + row0 * p.v_row_stride + h * p.v_head_stride,
-        p.v_row_stride, nullptr, 0, ok_rows, tid);
+        v_addr + stage * Tr::kVStageBytes,
+        p.v + row0 * p.v_row_stride + h * p.v_head_stride + v_slice * kDimV, p.v_row_stride,
+        nullptr, 0, ok_rows, tid);
   };
 
   const int64_t q_row0 = tile.q_begin;
@@ -246,19 +251,21 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
     const float inv = no_key ? 0.f : 1.f / l;
     const float lse = no_key ? INFINITY : (row_max[r] + log2f(l)) * kLn2;
     const int64_t out_row = (q_row0 + row) * H + h;
+    const int64_t out_col = int64_t(v_slice) * kDimV + 2 * q;
+    const bool writes_lse = q == 0 && v_slice == 0;
     if (p.o_parts == nullptr) {
-      bf16_t* out = p.o + out_row * kDimV + 2 * q;
+      bf16_t* out = p.o + out_row * p.d_v_total + out_col;
 #pragma unroll
       for (int j = 0; j < Tr::kVTiles; ++j)
         *reinterpret_cast<uint32_t*>(out + j * 8) =
             pack_bf16x2(acc_o[j][2 * r] * inv, acc_o[j][2 * r + 1] * inv);
-      if (q == 0) p.lse[out_row] = lse;
+      if (writes_lse) p.lse[out_row] = lse;
     } else {
       // merge_partials skips a slot with lse +inf without reading its o: none is written.
       const int64_t slot_row = int64_t(tile.part) * p.rows + out_row;
-      if (q == 0) p.lse_parts[slot_row] = lse;
+      if (writes_lse) p.lse_parts[slot_row] = lse;
       if (no_key) continue;
-      float* out = p.o_parts + slot_row * kDimV + 2 * q;
+      float* out = p.o_parts + slot_row * p.d_v_total + out_col;
 #pragma unroll
       for (int j = 0; j < Tr::kVTiles; ++j)
         *reinterpret_cast<float2*>(out + j * 8) =
@@ -276,7 +283,9 @@ cudaError_t run_dense_mha(const DenseMhaParams& params, cudaStream_t stream) {
   const cudaError_t err =
       opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), Tr::kSmemBytes, smem_set);
   if (err != cudaSuccess) return err;
-  const int64_t num_ctas = int64_t(params.num_tiles) * params.num_heads;
+  if (params.v_slices < 1 || params.d_v_total != kDimV * params.v_slices)
+    return cudaErrorInvalidValue;
+  const int64_t num_ctas = int64_t(params.num_tiles) * params.num_heads * params.v_slices;
   if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
   kernel<<<dim3(unsigned(num_ctas)), Tr::kThreads, Tr::kSmemBytes, stream>>>(params);
   return cudaGetLastError();

@@ -52,11 +52,16 @@ struct DenseMhaParams {
   const DenseTile* tiles;  // [num_tiles] device copy of the schedule, or null: inline_tiles
   int num_tiles;
   int num_heads;  // H
+  // V columns per CTA: the kernel instance's d_v; a CTA per (tile, head, slice) computes
+  // columns [slice * d_v, (slice + 1) * d_v) of d_v_total = d_v * v_slices. More than one slice
+  // re-computes S per slice: worth it only on grids that leave SMs idle.
+  int v_slices;
+  int d_v_total;
   float sm_scale;
   DenseTile inline_tiles[kDenseInlineTiles];  // the schedule when tiles == null
 };
 
-// Launches one CTA per (tile, head). Returns the launch status.
+// Launches one CTA per (tile, head, V column slice). Returns the launch status.
 template <int kDimNope, int kDimRope, int kDimV>
 cudaError_t run_dense_mha(const DenseMhaParams& params, cudaStream_t stream);
 
