@@ -161,6 +161,8 @@ std::string fmt_ms(double ms) {
 // sparse, or runs of requests each on its cheaper path.
 Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const Capabilities& caps,
                   const DispatchPolicy& policy, int64_t threshold) {
+  DSAKIT_CHECK_ARG(policy.min_split_gain >= 0 && policy.min_split_gain < 1,
+                   "min_split_gain: expected a fraction in [0, 1), got ", policy.min_split_gain);
   const CostEntry& entry = policy.profile->find(CostKey::of(caps.device_name, c, layout));
   Plan plan;
   plan.mode = DispatchMode::kCost;
@@ -219,7 +221,7 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
   std::string& why = plan.reason;
   auto out = std::back_inserter(why);
   why = "cost mode: ";
-  if (!runs.empty() && runs_ms < whole) {
+  if (!runs.empty() && runs_ms < whole * (1 - policy.min_split_gain)) {
     plan.path = AttentionPath::kMixed;
     plan.segments = runs;
     plan.predicted_ms = runs_ms;
@@ -234,6 +236,9 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
   } else {
     plan.path = dense ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
     plan.predicted_ms = whole;
+    if (!runs.empty() && runs_ms < whole)
+      fmt::format_to(out, "a split into {} runs predicted {} saves less than {:g}%; ", runs.size(),
+                     fmt_ms(runs_ms), 100 * policy.min_split_gain);
     why += dense ? "dense MHA predicted " : "sparse MLA predicted ";
   }
   fmt::format_to(out, "dense {}, sparse {}",

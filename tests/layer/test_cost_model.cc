@@ -401,6 +401,17 @@ TEST_F(CostDispatchTest, SplitsAMixedBatchWhenThatIsCheaper) {
   DispatchPolicy no_split = cost_policy(prof);
   no_split.allow_split = false;
   EXPECT_NE(plan(b, no_split).path, AttentionPath::kMixed);
+  // The split must be predicted min_split_gain cheaper than the best whole path.
+  const double gain = 1 - pl.predicted_ms / std::min(pl.predicted_dense_ms, pl.predicted_sparse_ms);
+  DispatchPolicy margin = cost_policy(prof);
+  margin.min_split_gain = gain * 1.01;
+  const Plan whole = plan(b, margin);
+  EXPECT_NE(whole.path, AttentionPath::kMixed) << whole.reason;
+  EXPECT_TRUE(contains(whole.reason, "a split into 3 runs predicted")) << whole.reason;
+  margin.min_split_gain = gain * 0.99;
+  EXPECT_EQ(plan(b, margin).path, AttentionPath::kMixed);
+  margin.min_split_gain = 1.0;
+  EXPECT_THROW(plan(b, margin), Error);
   // A request beyond index_topk keeps its run sparse; the others may still go dense.
   const Plan long_one = plan(make_batch({0, 0}, {1500, 5000}), cost_policy(prof));
   ASSERT_EQ(long_one.path, AttentionPath::kMixed) << long_one.reason;
