@@ -106,9 +106,10 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
   int64_t bytes = t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h +
                   index_bytes(batch);
   if (path == AttentionPath::kDenseMha) {
-    // c_kv, k_pe of every position; k_nope, v up-projected per head.
+    // c_kv, k_pe of every position; k_nope, v up-projected per head; a backend's split-KV
+    // partials, which the CUDA schedule keeps within the size of bf16 K/V (an upper bound).
     bytes += mid * n * (c.kv_lora_rank + c.qk_rope_head_dim) +
-             mid * n * h * (c.qk_nope_head_dim + c.v_head_dim);
+             (mid + 2) * n * h * (c.qk_nope_head_dim + c.v_head_dim);
     return bytes;
   }
   // Top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c].

@@ -266,43 +266,49 @@ void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& 
       ASSERT_EQ(covered[i][blk], 1) << "row " << i << " block " << blk;
 }
 
-TEST(DenseMhaSchedule, ShortPromptIsNotSplit) {
-  // T = 256, 16 heads, 132 SMs: 4 tiles x 16 heads = 64 CTAs, but the longest tile has only 4
-  // blocks (< kDenseMinSplitBlocks): no split.
-  const std::vector<int32_t> cu_q{0, 256}, cu_kv{0, 256};
-  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 16, 132);
-  EXPECT_EQ(s.parts, 1);
-  EXPECT_EQ(s.tiles.size(), 4u);
-  expect_schedule_covers(s, cu_q, cu_kv);
-}
+// Partial rows of DeepSeek-V3.2's d_v = 128 (f32 o + lse) and its bf16 K/V row per head: the
+// budget cuda_dense_mha gives the schedule is the K/V buffers' size.
+constexpr int64_t kPartialRowBytes = 4 * (128 + 1), kKvRowBytes = 2 * (128 + 128);
 
-TEST(DenseMhaSchedule, SplitRunsFillTheSmsWithoutASecondWave) {
-  // Fresh 1024 tokens with one head: 16 tiles of 1..16 blocks; runs of one block give
-  // 136 working CTAs <= 2 x 132, 16 parts.
-  const std::vector<int32_t> cu_q{0, 1024}, cu_kv{0, 1024};
-  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 1, 132);
-  EXPECT_EQ(s.blocks_per_split, 1);
-  EXPECT_EQ(s.parts, 16);
-  EXPECT_EQ(s.tiles.size(), 16u * 16u);
-  expect_schedule_covers(s, cu_q, cu_kv);
-}
-
-TEST(DenseMhaSchedule, FullGridIsNotSplit) {
-  // 128 heads: 4 tiles x 128 heads fill the SMs already.
-  const std::vector<int32_t> cu_q{0, 256}, cu_kv{0, 256};
-  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 128, 132);
-  EXPECT_EQ(s.parts, 1);
-  EXPECT_EQ(s.tiles.size(), 4u);
-  expect_schedule_covers(s, cu_q, cu_kv);
-}
-
-TEST(DenseMhaSchedule, ShortExtendOverALongPrefixIsSplit) {
-  // P = 1984, E = 64, 16 heads: one tile over 32 blocks; runs of 2 blocks -> 16 x 16 = 256 CTAs.
-  const std::vector<int32_t> cu_q{0, 64}, cu_kv{0, 2048};
-  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 1, 16, 132);
-  EXPECT_EQ(s.blocks_per_split, 2);
-  EXPECT_EQ(s.parts, 16);
-  expect_schedule_covers(s, cu_q, cu_kv);
+TEST(DenseMhaSchedule, SplitsOnlyLongTilesOnGridsThatLeaveSmsIdle) {
+  struct Case {
+    const char* what;
+    int32_t prefix, extend;
+    int64_t heads;
+    int parts;
+    int32_t blocks_per_split;  // 0: no split
+  };
+  const Case cases[] = {
+      // 4 tiles x 16 heads = 64 CTAs on 132 SMs, but the longest tile has only 4 blocks
+      // (< kDenseMinSplitBlocks).
+      {"T=256, 16 heads", 0, 256, 16, 1, 0},
+      // 4 tiles x 128 heads fill the SMs already.
+      {"T=256, 128 heads", 0, 256, 128, 1, 0},
+      // One tile over 32 blocks, 16 heads: runs of 2 blocks -> 16 parts x 16 heads = 256 CTAs.
+      {"P=1984 E=64, 16 heads", 1984, 64, 16, 16, 2},
+      // 16 tiles of 1..16 blocks, one head: runs of one block would fill the SMs, but 16 slots
+      // of partials would outgrow the K/V buffers of a fresh prompt (N = T): no split.
+      {"T=1024, 1 head", 0, 1024, 1, 1, 0},
+      // Two requests of 64 new tokens over 1984 cached, 8 heads: 2 tiles x 8 heads; runs of one
+      // block (64 x 8 = 512 CTAs) are too many, runs of 2 give 32 x 8 = 256.
+      {"2 x (P=1984 E=64), 8 heads", 1984, 64, 8, 16, 2},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const bool two = std::string(c.what).rfind("2 x", 0) == 0;
+    std::vector<int32_t> cu_q{0, c.extend}, cu_kv{0, c.prefix + c.extend};
+    if (two) {
+      cu_q.push_back(2 * c.extend);
+      cu_kv.push_back(2 * (c.prefix + c.extend));
+    }
+    const int b = two ? 2 : 1;
+    const DenseSchedule s =
+        build_dense_schedule(cu_q.data(), cu_kv.data(), b, c.heads, 132, kPartialRowBytes,
+                             int64_t(cu_kv.back()) * c.heads * kKvRowBytes);
+    EXPECT_EQ(s.parts, c.parts);
+    EXPECT_EQ(s.blocks_per_split, c.blocks_per_split);
+    expect_schedule_covers(s, cu_q, cu_kv);
+  }
 }
 
 TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
@@ -319,8 +325,13 @@ TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
     }
     const int64_t heads = std::vector<int64_t>{1, 4, 16, 64, 128}[size_t(rng.randint(0, 4))];
     const int sms = int(rng.randint(1, 200));
-    const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms);
+    const int64_t budget = rng.randint(0, int64_t(1) << 28);
+    const DenseSchedule s =
+        build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms, kPartialRowBytes, budget);
     expect_schedule_covers(s, cu_q, cu_kv);
+    if (s.parts > 1) {
+      EXPECT_LE(s.parts * int64_t(cu_q.back()) * heads * kPartialRowBytes, budget);
+    }
     if (HasFatalFailure()) return;
   }
 }
@@ -341,11 +352,11 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   };
   // Split-KV (fewer tiles x heads than SMs): a short extend over a long prefix (16 parts), one
   // decode-like row with 128 heads (2 parts), and a split schedule too long for the launch
-  // parameters (20 tiles x 20 parts).
+  // parameters (8 tiles x 17 parts).
   cases.push_back({128, 128, 16, {{1990, 64}}});
   cases.push_back({192, 256, 16, {{1000, 40}, {0, 3}, {1030, 0}}});
   cases.push_back({128, 128, 128, {{2047, 1}}});
-  cases.push_back({192, 256, 1, {{0, 1280}}});
+  cases.push_back({128, 128, 1, std::vector<std::pair<int, int>>(8, {2000, 64})});
   // d_v = 256 on grids that leave SMs idle runs as two 128-column slices per head: alone (the
   // fourth case above: 7 tiles x 16 heads) and with split-KV (32 parts x 2 heads).
   cases.push_back({192, 256, 2, {{1990, 30}}});

@@ -147,8 +147,11 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
                "); the CUDA kernels support ", cuda::attention::kDenseMhaSupportedDims);
 
   const int sm_count = current_sm_count();
+  // Split-KV partials (f32 o + lse per row and slot) stay within the size of the bf16 K/V
+  // buffers the caller already holds, which DsaAttention::workspace_bytes counts twice for it.
   const DenseSchedule schedule =
-      build_dense_schedule(a.cu_q_host, a.cu_kv_host, a.num_requests, num_heads, sm_count);
+      build_dense_schedule(a.cu_q_host, a.cu_kv_host, a.num_requests, num_heads, sm_count,
+                           4 * int64_t(d_v + 1), num_kv * num_heads * (d_nope + d_v) * 2);
   const std::vector<DenseTile>& tiles = schedule.tiles;
   // A grid that leaves SMs idle with d_v = 256 (GLM-5) runs two CTAs per (tile, head), 128 V
   // columns each (the d_v = 128 instance): both compute S, each does half the P·V work and

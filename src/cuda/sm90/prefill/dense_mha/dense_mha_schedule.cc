@@ -5,7 +5,8 @@
 namespace dsakit::cuda::dense_mha {
 
 DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, int num_requests,
-                                   int64_t num_heads, int sm_count) {
+                                   int64_t num_heads, int sm_count, int64_t partial_row_bytes,
+                                   int64_t max_partial_bytes) {
   DenseSchedule s;
   std::vector<DenseTile> whole;
   int32_t max_blocks = 0;
@@ -22,10 +23,14 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
   const auto blocks_of = [](const DenseTile& t) { return t.block_end - t.block_begin; };
   int32_t per_split = max_blocks;
   if (int64_t(whole.size()) * num_heads < int64_t(sm_count) && max_blocks >= kDenseMinSplitBlocks) {
+    // Partial slots: parts x (query rows x heads), every tile's rows in every slot.
+    const int64_t slot_bytes = int64_t(cu_q[num_requests]) * num_heads * partial_row_bytes;
     for (per_split = 1; per_split < max_blocks; ++per_split) {
       int64_t working = 0;
       for (const DenseTile& t : whole) working += (blocks_of(t) + per_split - 1) / per_split;
-      if (working * num_heads <= 2 * int64_t(sm_count)) break;
+      const int64_t parts = (max_blocks + per_split - 1) / per_split;
+      if (working * num_heads <= 2 * int64_t(sm_count) && parts * slot_bytes <= max_partial_bytes)
+        break;
     }
   }
   if (per_split >= max_blocks) {
