@@ -33,9 +33,8 @@ inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correc
 // 2: dense MHA schedule from the arena; 3: the layer's sparse MLA stops at each token's
 // context length (topk_length); 4: the layer uploads its index arrays in one copy; 5: the CUDA
 // indexer skips query quantization and logits when every context fits index_topk; 6: CUDA dense
-// MHA splits the kv blocks of short grids (split-KV + merge), reads bf16 inputs instead of
-// gathering them when the pool would return them unchanged, and carries its schedule in the
-// launch parameters.
+// MHA splits long tiles of short grids (split-KV + merge) and GLM-5's V columns, K/V by one GEMM,
+// no gather of bf16 inputs, schedule in the launch parameters; uploads via pinned staging.
 inline constexpr int kCostKernelRevision = 6;
 
 // The terms of the table above; names as written in profiles.

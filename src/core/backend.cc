@@ -60,9 +60,9 @@ bool are_kv_halves(const TensorView& k_nope, const TensorView& v) {
   return k_nope.shape[0] == v.shape[0] && v.shape[1] == h && dn >= 1 && dv >= 1 &&
          k_nope.stride[2] == 1 && v.stride[2] == 1 && k_nope.stride[1] == dn + dv &&
          v.stride[1] == dn + dv && k_nope.stride[0] == h * (dn + dv) &&
-         v.stride[0] == h * (dn + dv) &&
-         static_cast<const char*>(v.data) ==
-             static_cast<const char*>(k_nope.data) + dn * int64_t(dtype_size(k_nope.dtype));
+         v.stride[0] == h * (dn + dv) && k_nope.data != nullptr &&
+         reinterpret_cast<uintptr_t>(v.data) ==
+             reinterpret_cast<uintptr_t>(k_nope.data) + uintptr_t(dn) * dtype_size(k_nope.dtype);
 }
 
 double Backend::time_ms(const std::function<void()>& fn) {
