@@ -1,8 +1,8 @@
 // CUDA benchmark (DESIGN.md §10): each stage of both paths and the whole layer, timed with CUDA
-// events on the backend's stream (warm-up, median of >= 20 runs, 3 input sets rotated so the L2
-// does not flatter), next to the ceilings measured in the same run (device-to-device copy
-// bandwidth, cuBLAS bf16 GEMM rate). Prints a table; --json FILE writes the rows.
-#include <cuda_runtime.h>
+// events on the backend's stream (Backend::time_ms; warm-up, median of >= 20 runs, 3 input sets
+// rotated so the L2 does not flatter) beside its host enqueue time, next to the ceilings measured
+// in the same run (device-to-device copy bandwidth, cuBLAS bf16 GEMM rate). Prints a table;
+// --json FILE writes the rows.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -25,42 +25,26 @@ namespace {
 
 using namespace dsakit;
 
-#define BENCH_CUDA(call)                                                               \
-  do {                                                                                 \
-    cudaError_t e_ = (call);                                                           \
-    if (e_ != cudaSuccess) DSAKIT_FAIL(kBackend, #call, ": ", cudaGetErrorString(e_)); \
-  } while (0)
-
 constexpr int kSets = 3;
 constexpr int kRuns = 20;
 
-// GPU time (CUDA events around the call) and host time (until the call returns, starting from
-// an idle stream, so it is the cost of enqueueing alone) of fn(i), i = run index to rotate input
-// sets: medians over `runs` calls after 3 warm-up calls.
+// GPU time (Backend::time_ms: CUDA events around the call, from an idle stream) and host time
+// (until the call returns, so the cost of enqueueing alone) of fn(i), i = run index to rotate
+// input sets: medians over `runs` calls after 3 warm-up calls.
 struct Timing {
   double ms = 0, host_ms = 0;
 };
-Timing time_ms(cudaStream_t s, const std::function<void(int)>& fn, int runs = kRuns) {
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
+Timing time_ms(Backend& be, const std::function<void(int)>& fn, int runs = kRuns) {
   for (int i = 0; i < 3; ++i) fn(i);
-  BENCH_CUDA(cudaStreamSynchronize(s));
   std::vector<double> ms, host;
   for (int i = 0; i < runs; ++i) {
-    BENCH_CUDA(cudaEventRecord(a, s));
-    const auto t0 = std::chrono::steady_clock::now();
-    fn(i);
-    host.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    BENCH_CUDA(cudaEventRecord(b, s));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
+    ms.push_back(be.time_ms([&] {
+      const auto t0 = std::chrono::steady_clock::now();
+      fn(i);
+      host.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }));
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   const auto median = [](std::vector<double>& v) {
     std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
     return v[v.size() / 2];
@@ -97,7 +81,6 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
   const int64_t h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
                 dv = c.v_head_dim, dc = c.kv_lora_rank, hi = c.index_n_heads, di = c.index_head_dim;
   const int k = c.index_topk;
-  cudaStream_t s = be.stream();
   be.options().host_value_checks = false;  // time kernels, not host-side validation syncs
 
   // Causal counts.
@@ -152,14 +135,14 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
   };
 
   add("store_kv",
-      time_ms(s,
+      time_ms(be,
               [&](int i) {
                 auto& st = sets[size_t(i % kSets)];
                 be.store_kv(st.kv, locs, st.c_kv, st.k_pe);
               }),
       0, double(t) * (2.0 * (dc + dr) + bpt));
   add("store_index_keys",
-      time_ms(s,
+      time_ms(be,
               [&](int i) {
                 auto& st = sets[size_t(i % kSets)];
                 be.store_index_keys(st.ix, locs, st.idx_k);
@@ -167,15 +150,15 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
       0, double(t) * 2.0 * 2 * di);
   // The layer's one host -> device copy of its index arrays (3T + N + 2(B + 1) i32).
   std::vector<int32_t> index_h(size_t(4 * t + 4), 1);
-  add("upload_index", time_ms(s, [&](int) { dev_i32(index_h); }), 0, 4.0 * double(index_h.size()));
+  add("upload_index", time_ms(be, [&](int) { dev_i32(index_h); }), 0, 4.0 * double(index_h.size()));
   Tensor c_all = be.empty(DType::kBF16, {t, dc}), kpe_all = be.empty(DType::kBF16, {t, dr});
   add("gather_kv",
-      time_ms(s, [&](int i) { be.gather_kv(sets[size_t(i % kSets)].kv, locs, c_all, kpe_all); }), 0,
-      double(t) * (bpt + 2.0 * (dc + dr)));
+      time_ms(be, [&](int i) { be.gather_kv(sets[size_t(i % kSets)].kv, locs, c_all, kpe_all); }),
+      0, double(t) * (bpt + 2.0 * (dc + dr)));
   Tensor top = be.empty(DType::kI32, {t, k});
   add("indexer_topk",
       time_ms(
-          s,
+          be,
           [&](int i) {
             auto& st = sets[size_t(i % kSets)];
             IndexerArgs a;
@@ -189,15 +172,15 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
       2.0 * hi * di * sum_ctx, 0);
   Tensor loc_top = be.empty(DType::kI32, {t, k});
   add("topk_to_locations",
-      time_ms(s, [&](int) { be.positions_to_locations(top, locs, start, ctx, loc_top); }), 0,
+      time_ms(be, [&](int) { be.positions_to_locations(top, locs, start, ctx, loc_top); }), 0,
       8.0 * double(t) * k);
   Tensor q_abs = be.empty(DType::kBF16, {t, h, dc});
   add("absorb_q",
-      time_ms(s, [&](int i) { be.absorb_q(sets[size_t(i % kSets)].q_nope, w, int(dv), q_abs); }),
+      time_ms(be, [&](int i) { be.absorb_q(sets[size_t(i % kSets)].q_nope, w, int(dv), q_abs); }),
       2.0 * t * h * dn * dc, 0);
   Tensor o_lat = be.empty(DType::kBF16, {t, h, dc}), lse = be.empty(DType::kF32, {t, h});
   add("sparse_mla",
-      time_ms(s,
+      time_ms(be,
               [&](int i) {
                 auto& st = sets[size_t(i % kSets)];
                 SparseMlaArgs a;
@@ -212,13 +195,13 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
               }),
       2.0 * h * sum_keff * (576 + 512), 0);
   Tensor o = be.empty(DType::kBF16, {t, h, dv});
-  add("up_proj_v", time_ms(s, [&](int) { be.up_proj_v(o_lat, w, int(dn), o); }),
+  add("up_proj_v", time_ms(be, [&](int) { be.up_proj_v(o_lat, w, int(dn), o); }),
       2.0 * t * h * dc * dv, 0);
   Tensor k_nope = be.empty(DType::kBF16, {t, h, dn}), v = be.empty(DType::kBF16, {t, h, dv});
-  add("up_proj_kv", time_ms(s, [&](int) { be.up_proj_kv(c_all, w, k_nope, v); }),
+  add("up_proj_kv", time_ms(be, [&](int) { be.up_proj_kv(c_all, w, k_nope, v); }),
       2.0 * t * h * dc * (dn + dv), 0);
   add("dense_mha",
-      time_ms(s,
+      time_ms(be,
               [&](int i) {
                 auto& st = sets[size_t(i % kSets)];
                 DenseMhaArgs a;
@@ -273,7 +256,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
     o.policy.mode = m;
     DsaAttention layer(c, be, kv, ix, w, o);
     const Timing t = time_ms(
-        be.stream(), [&](int) { layer.forward(b, in.view()); }, 10);
+        be, [&](int) { layer.forward(b, in.view()); }, 10);
     rows.push_back({shape, std::string("layer_") + to_string(m), t, 0, 0});
   }
   return rows;

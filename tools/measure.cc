@@ -198,6 +198,10 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
   std::vector<std::vector<double>> ms(np), enqueue_ms(np);
   auto stopped = [&] { return stop && stop->load(); };
 
+  struct Call {
+    double ms, enqueue_ms;
+    std::map<std::string, double> stages;  // same-named stages summed (staged calls only)
+  };
   auto call = [&](size_t p, int round, bool staged) {
     auto& set = *sets[size_t(round) % sets.size()];
     DsaAttention& layer = staged ? *set.staged : *set.layer;
@@ -210,12 +214,9 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
       enqueue = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     });
     out[p].plan = res.plan;
-    std::map<std::string, double> sum;
-    if (staged)
-      for (const auto& s : res.stages) sum[s.stage] += s.ms;
-    else
-      sum["enqueue"] = enqueue;
-    return std::make_pair(elapsed, sum);
+    Call c{elapsed, enqueue, {}};
+    for (const auto& s : res.stages) c.stages[s.stage] += s.ms;
+    return c;
   };
 
   // One warm-up round (allocator caches, cuBLAS heuristics, first-touch pages). Then rounds of
@@ -229,10 +230,10 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
   while (!stopped()) {
     for (size_t p = 0; p < np; ++p)
       for (int i = 0; i < kBlock; ++i) {
-        const auto [t, parts] = call(p, round * kBlock + i, false);
+        const Call c = call(p, round * kBlock + i, false);
         if (i > 0) {
-          ms[p].push_back(t);
-          enqueue_ms[p].push_back(parts.at("enqueue"));
+          ms[p].push_back(c.ms);
+          enqueue_ms[p].push_back(c.enqueue_ms);
         }
       }
     ++round;
@@ -250,7 +251,7 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
     std::vector<std::map<std::string, std::vector<double>>> per(np);
     for (int r = 0; r < srounds && !stopped(); ++r)
       for (size_t p = 0; p < np; ++p)
-        for (const auto& [name, v] : call(p, r, true).second) per[p][name].push_back(v);
+        for (const auto& [name, v] : call(p, r, true).stages) per[p][name].push_back(v);
     for (size_t p = 0; p < np; ++p)
       for (const auto& [name, v] : per[p]) out[p].stages[name] = median(v);
   }

@@ -83,6 +83,7 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
                arch, "; this dsakit build ships sm_90a kernels only (H100/H200)");
   caps_ = cuda_capabilities(arch);
   caps_.device_name = prop.name;
+  sm_count_ = prop.multiProcessorCount;
 
   activate();
   DSAKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
@@ -588,7 +589,7 @@ void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj
   validate::up_proj_kv(c_kv, kv_b_proj, k_nope, v, Device::kCuda, /*kv_halves_ok=*/true);
   const ProjectionDims dims{c_kv.shape[0], int(k_nope.shape[1]), int(k_nope.shape[2]),
                             int(v.shape[2]), int(c_kv.shape[1])};
-  if (are_kv_halves(k_nope, v) && !k_nope.is_contiguous()) {
+  if (are_kv_halves(k_nope, v)) {
     // One GEMM writes both halves: per head, W rows [W_UK[h]; W_UV[h]] are contiguous, and the
     // output [N, H, d_nope + d_v] is exactly kv_halves' buffer.
     DSAKIT_CHECK(c_kv.dtype == DType::kBF16 && k_nope.dtype == DType::kBF16, kUnsupported,
@@ -622,7 +623,7 @@ void CudaBackend::dense_mha(const DenseMhaArgs& args) {
   // The schedule and split-KV partials: freed after the launches (the arena reuses them in
   // stream order only).
   std::vector<Tensor> scratch;
-  cuda_dense_mha(args, stream_, [&](size_t bytes) {
+  cuda_dense_mha(args, sm_count_, stream_, [&](size_t bytes) {
     scratch.push_back(empty(DType::kU8, {int64_t(bytes)}));
     return scratch.back().view().data;
   });

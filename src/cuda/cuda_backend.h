@@ -112,6 +112,7 @@ class CudaBackend final : public Backend {
                          std::initializer_list<const TensorView*> outs);
 
   int device_;
+  int sm_count_ = 1;  // streaming multiprocessors (the dense schedule sizes short grids by it)
   Capabilities caps_;
   CudaBackendOptions options_;
   cudaStream_t own_stream_ = nullptr;

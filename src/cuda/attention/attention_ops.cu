@@ -3,7 +3,6 @@
 #include "src/cuda/attention/attention_ops.h"
 
 #include <algorithm>
-#include <atomic>
 #include <string>
 #include <vector>
 
@@ -36,20 +35,6 @@ void require_bf16(const TensorView& t, const char* op, const char* name) {
 template <typename T>
 const T* data_or_null(const TensorView& t) {
   return t.ndim == 0 ? nullptr : t.ptr<const T>();
-}
-
-// Streaming multiprocessors of the current device, read once per device.
-int current_sm_count() {
-  static std::atomic<int> cached[64] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device >= 0 && device < 64 && cached[device].load(std::memory_order_relaxed) > 0)
-    return cached[device].load(std::memory_order_relaxed);
-  int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute(MultiProcessorCount)");
-  if (device >= 0 && device < 64) cached[device].store(sms, std::memory_order_relaxed);
-  return std::max(sms, 1);
 }
 
 // Row size the sparse MLA kernel assumes for a pool layout (d_c 512, d_rope 64).
@@ -120,7 +105,7 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
   check_cuda(status, "cuda sparse_mla launch");
 }
 
-void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
+void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
                     const std::function<void*(size_t)>& scratch) {
   constexpr const char* kOp = "cuda dense_mha";
   using namespace cuda::dense_mha;
@@ -146,7 +131,6 @@ void cuda_dense_mha(const DenseMhaArgs& a, cudaStream_t stream,
                ": requires (d_nope, d_rope, d_v) = (", d_nope, ", ", d_rope, ", ", d_v,
                "); the CUDA kernels support ", cuda::attention::kDenseMhaSupportedDims);
 
-  const int sm_count = current_sm_count();
   // Split-KV partials (f32 o + lse per row and slot) stay within the size of the bf16 K/V
   // buffers the caller already holds, which DsaAttention::workspace_bytes counts twice for it.
   const DenseSchedule schedule =

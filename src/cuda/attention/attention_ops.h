@@ -19,12 +19,12 @@ namespace dsakit {
 void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
 
 // Dense MHA prefill (DESIGN.md §3.5): bf16, (d_nope, d_rope, d_v) in {(128, 64, 128),
-// (192, 64, 256)}, varlen causal with prefix; the tile schedule comes from cu_q_host / cu_kv_host.
-// Short grids split each tile's kv blocks over several CTAs and merge the partial results
-// (merge_partials). `scratch(bytes)` returns stream-ordered device memory that stays valid until
-// the call returns (the backend's arena: no allocation once warm), for a long tile schedule and
-// the split partials.
-void cuda_dense_mha(const DenseMhaArgs& args, cudaStream_t stream,
+// (192, 64, 128), (192, 64, 256)}, varlen causal with prefix; the tile schedule comes from
+// cu_q_host / cu_kv_host. Grids smaller than the device's `sm_count` split long tiles' kv blocks
+// over several CTAs and merge the partial results (merge_partials). `scratch(bytes)` returns
+// stream-ordered device memory that stays valid until the call returns (the backend's arena: no
+// allocation once warm), for a long tile schedule and the split partials.
+void cuda_dense_mha(const DenseMhaArgs& args, int sm_count, cudaStream_t stream,
                     const std::function<void*(size_t)>& scratch);
 
 }  // namespace dsakit
