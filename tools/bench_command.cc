@@ -488,7 +488,8 @@ int bench_command(const BenchOptions& o) {
 namespace {
 
 // The compact calibration grid: contexts within index_topk (both paths exact: where the choice
-// is made), a few beyond it for the sparse terms, and mixed batches for the per-request terms.
+// is made), a few beyond it for the sparse terms, and mixed batches for the per-request terms
+// (with and without long cached prefixes).
 std::vector<BenchShape> calibration_shapes(int index_topk) {
   const int32_t k = index_topk;
   std::vector<BenchShape> s;
@@ -502,6 +503,12 @@ std::vector<BenchShape> calibration_shapes(int index_topk) {
   s.push_back({"mixed", {0, 0, 0, 0}, {256, 256, 256, 256}});
   s.push_back({"mixed", {0, 1024, 0}, {1024, 64, 64}});
   s.push_back({"mixed", std::vector<int32_t>(8, 0), std::vector<int32_t>(8, 128)});
+  // Mixed batches whose positions are mostly long cached prefixes (chunked prefill next to a
+  // fresh prompt): without samples near them the linear terms misprice them by 10-20% (H200).
+  for (BenchShape m : {BenchShape{"mixed", {1792, 0, 2000}, {64, 256, 16}},
+                       BenchShape{"mixed", {1536, 0, 1984}, {128, 384, 64}},
+                       BenchShape{"mixed", {1024, 1984}, {256, 64}}})
+    if (m.max_len() <= k) s.push_back(std::move(m));
   // Beyond index_topk (sparse only): separates the indexer's Σctx from attention's Σmin(ctx,k).
   s.push_back({"prefix", {k}, {512}});
   s.push_back({"prefix", {2 * k}, {64}});

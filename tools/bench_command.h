@@ -32,7 +32,7 @@ struct CalibrateOptions {
   std::string models;
   std::string kv = "bf16,fp8";
   std::string out = "dsakit-profile.json";
-  int runs = 10;
+  int runs = 20;
   double budget_ms = 800;
   uint64_t seed = 7;
   bool quiet = false;
