@@ -34,8 +34,9 @@ inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correc
 // context length (topk_length); 4: the layer uploads its index arrays in one copy; 5: the CUDA
 // indexer skips query quantization and logits when every context fits index_topk; 6: CUDA dense
 // MHA splits long tiles of short grids (split-KV + merge) and GLM-5's V columns, K/V by one GEMM,
-// no gather of bf16 inputs, schedule in the launch parameters; uploads via pinned staging.
-inline constexpr int kCostKernelRevision = 6;
+// no gather of bf16 inputs, schedule in the launch parameters; uploads via pinned staging;
+// 7: CUDA K/V up-projection as one tall GEMM instead of a batch over heads.
+inline constexpr int kCostKernelRevision = 7;
 
 // The terms of the table above; names as written in profiles.
 enum class CostTerm : uint8_t { kOne, kR, kT, kN, kTH, kNH, kCH, kKH, kCHi };

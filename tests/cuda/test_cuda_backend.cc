@@ -661,6 +661,31 @@ TEST_F(CudaBackendTest, ProjectionsMatchReference) {
   }
 }
 
+// K and V as the halves of one [n, H, d_nope + d_v] buffer: one GEMM over all heads' W rows
+// (GLM-5's unequal d_nope / d_v, so a head or half offset mix-up shows).
+TEST_F(CudaBackendTest, UpProjKvIntoHalvesMatchesReference) {
+  SCOPED_TRACE(trace());
+  const int64_t n = 45;
+  const int h = 3, dn = 192, dv = 256, dc = 512;
+  const Tensor w = testing::random_tensor(rng(), DType::kBF16, {h * (dn + dv), dc}, 0.05f);
+  const Tensor c_kv = testing::random_tensor(rng(), DType::kBF16, {n, dc});
+  const Tensor kv = poisoned(DType::kBF16, {n, h, dn + dv});
+  const KvHalves halves = kv_halves(kv, dn);
+  gpu_->up_proj_kv(gpu_->to_device(c_kv), gpu_->to_device(w), halves.k_nope, halves.v);
+  reference::Vec k_ref, v_ref;
+  reference::up_proj_kv(reference::to_vec(c_kv.view()), reference::to_vec(w.view()), n, h, dn, dv,
+                        dc, k_ref, v_ref);
+  const std::vector<double> all = testing::to_double(gpu_->to_host(kv));
+  std::vector<double> k_got, v_got;
+  for (int64_t rh = 0; rh < n * h; ++rh) {
+    const auto row = all.begin() + rh * (dn + dv);
+    k_got.insert(k_got.end(), row, row + dn);
+    v_got.insert(v_got.end(), row + dn, row + dn + dv);
+  }
+  EXPECT_LE(testing::rel_l2(k_got, k_ref), testing::kTolBf16);
+  EXPECT_LE(testing::rel_l2(v_got, v_ref), testing::kTolBf16);
+}
+
 // ---- merge ----------------------------------------------------------------------------------
 
 TEST_F(CudaBackendTest, MergePartialsMatchesFloat64) {

@@ -83,6 +83,28 @@ cublasStatus_t gemm_up_project(cublasHandle_t handle, const ProjectionDims& d,
   const int64_t x_row_stride = x_head_stride == 0 ? d.d_c : int64_t(d.heads) * d.d_c;
   if (!fits_int(d.rows) || !fits_int(x_row_stride) || !fits_int(int64_t(d.heads) * out_dim))
     return CUBLAS_STATUS_INVALID_VALUE;
+  if (x_head_stride == 0 && w_row_offset == 0 && out_dim == d.d_nope + d.d_v) {
+    // One input shared by every head and each head's whole block of W: the heads' A blocks are
+    // consecutive (stride out_dim·d_c) and so are their C columns (offset out_dim), so the batch
+    // is one GEMM: Out^T [H·out_dim, rows] = W [H·out_dim, d_c] · X^T [d_c, rows]. cuBLAS tiles
+    // one tall product far better than H thin ones (H200, GLM-5 K/V of 2K positions: see
+    // docs/perf.md).
+    const StridedGemm g{.m = d.heads * out_dim,
+                        .n = int(d.rows),
+                        .k = d.d_c,
+                        .transpose_a = true,
+                        .a = w,
+                        .lda = d.d_c,
+                        .stride_a = 0,
+                        .b = x,
+                        .ldb = d.d_c,
+                        .stride_b = 0,
+                        .c = out,
+                        .ldc = int64_t(d.heads) * out_dim,
+                        .stride_c = 0,
+                        .batch = 1};
+    return run(handle, g, operand_type, out_type);
+  }
   const StridedGemm g{out_dim,
                       int(d.rows),
                       d.d_c,
