@@ -200,6 +200,12 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
   Tensor k_nope = be.empty(DType::kBF16, {t, h, dn}), v = be.empty(DType::kBF16, {t, h, dv});
   add("up_proj_kv", time_ms(be, [&](int) { be.up_proj_kv(c_all, w, k_nope, v); }),
       2.0 * t * h * dc * (dn + dv), 0);
+  // What the layer runs: K and V as the halves of one buffer, one GEMM over all heads.
+  Tensor kv_up = be.empty(DType::kBF16, {t, h, dn + dv});
+  const KvHalves halves = kv_halves(kv_up, dn);
+  add("up_proj_kv_halves",
+      time_ms(be, [&](int) { be.up_proj_kv(c_all, w, halves.k_nope, halves.v); }),
+      2.0 * t * h * dc * (dn + dv), 0);
   add("dense_mha",
       time_ms(be,
               [&](int i) {
@@ -312,7 +318,7 @@ int main(int argc, char** argv) {
     }
     fmt::print("device {}  ceilings: copy {:.0f} GB/s, cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
                be.capabilities().device_name, ceil.copy_gbs, ceil.gemm_tflops);
-    fmt::print("{:<34} {:<14} {:>9} {:>9} {:>7} {:>9} {:>7} {:>9}\n", "shape", "stage", "ms",
+    fmt::print("{:<34} {:<18} {:>9} {:>9} {:>7} {:>9} {:>7} {:>9}\n", "shape", "stage", "ms",
                "TFLOP/s", "%gemm", "GB/s", "%copy", "host ms");
     nlohmann::json j;
     j["device"] = be.capabilities().device_name;
@@ -321,7 +327,7 @@ int main(int argc, char** argv) {
     for (const Row& r : rows) {
       const double tf = r.flops > 0 ? r.flops / (r.t.ms * 1e-3) / 1e12 : 0;
       const double gb = r.bytes > 0 ? r.bytes / (r.t.ms * 1e-3) / 1e9 : 0;
-      fmt::print("{:<34} {:<14} {:>9.3f} {:>9.1f} {:>6.0f}% {:>9.0f} {:>6.0f}% {:>9.4f}\n", r.shape,
+      fmt::print("{:<34} {:<18} {:>9.3f} {:>9.1f} {:>6.0f}% {:>9.0f} {:>6.0f}% {:>9.4f}\n", r.shape,
                  r.stage, r.t.ms, tf, 100 * tf / ceil.gemm_tflops, gb, 100 * gb / ceil.copy_gbs,
                  r.t.host_ms);
       j["rows"].push_back({{"shape", r.shape},

@@ -32,10 +32,11 @@ struct BenchShape {
 
 // One policy's result on a shape.
 struct PolicyTiming {
-  double ms =
-      0;  // median time of forward() by Backend::time_ms (CUDA: events, from an idle stream)
-  double enqueue_ms = 0;                 // median host time until forward() returns (no sync):
-                                         // close to ms when the host, not the GPU, sets the pace
+  // Median time of forward() by Backend::time_ms (CUDA: events, from an idle stream).
+  double ms = 0;
+  // Median host time until forward() returns (no sync): close to ms when the host, not the GPU,
+  // sets the pace.
+  double enqueue_ms = 0;
   int runs = 0;                          // timed calls behind the median
   Plan plan;                             // the plan the calls took
   std::map<std::string, double> stages;  // median per-stage ms (same-named stages summed)

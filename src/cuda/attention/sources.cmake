@@ -1,5 +1,6 @@
-# CUDA attention kernels (sparse MLA, dense MHA) and the dense schedule (host), appended to DSAKIT_CUDA_ATTENTION_SOURCES,
-# which src/cuda/CMakeLists.txt compiles into dsakit_cuda. One explicit instantiation per file.
+# CUDA attention kernels (sparse MLA, dense MHA) and the dense schedule (host), appended to
+# DSAKIT_CUDA_ATTENTION_SOURCES, which src/cuda/CMakeLists.txt compiles into dsakit_cuda. One
+# explicit instantiation per file.
 set(_dsakit_attention_dir ${CMAKE_CURRENT_LIST_DIR}/..)
 list(APPEND DSAKIT_CUDA_ATTENTION_SOURCES
   ${_dsakit_attention_dir}/attention/attention_ops.cu

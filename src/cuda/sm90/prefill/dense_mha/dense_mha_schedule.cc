@@ -37,7 +37,6 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
     s.tiles = std::move(whole);
   } else {
     s.parts = (max_blocks + per_split - 1) / per_split;
-    s.blocks_per_split = per_split;
     for (const DenseTile& t : whole)
       for (int32_t part = 0; part < s.parts; ++part) {
         DenseTile x = t;

@@ -12,7 +12,6 @@ namespace dsakit::cuda::dense_mha {
 struct DenseSchedule {
   std::vector<DenseTile> tiles;  // heaviest (most kv blocks) first; ties in batch order
   int parts = 1;  // > 1: split-KV; tiles write partial slots 0..parts-1, merged afterwards
-  int32_t blocks_per_split = 0;  // kv blocks per split tile (parts > 1)
 };
 
 // A split pays only when it shortens a long tile: on the H200 it cut a short extend over a
@@ -25,11 +24,11 @@ inline constexpr int32_t kDenseMinSplitBlocks = 16;
 // a device with `sm_count` SMs. Without a split every tile covers all of its rows' kv blocks.
 // When tiles x heads < sm_count (a short extend over a long prefix with few heads per rank)
 // and the longest tile has >= kDenseMinSplitBlocks blocks, that tile would set the kernel's
-// time on a mostly idle GPU: each tile's blocks are cut into runs of `blocks_per_split`, the
-// smallest run that keeps the CTAs with work within two per SM (the kernel's occupancy) and the
-// partial slots (parts x T x H rows of partial_row_bytes) within max_partial_bytes; every tile
-// gets `parts` slots (a run past a tile's blocks is empty: its rows write "no key", lse +inf).
-// No run length meeting both: no split.
+// time on a mostly idle GPU: each tile's blocks are cut into runs of one length (a tile's last
+// run may be shorter), the smallest that keeps the CTAs with work within two per SM (the
+// kernel's occupancy) and the partial slots (parts x T x H rows of partial_row_bytes) within
+// max_partial_bytes; every tile gets `parts` slots (a run past a tile's blocks is empty: its
+// rows write "no key", lse +inf). No run length meeting both: no split.
 // Invariant: for every tile, its parts' block ranges are disjoint and cover [0, blocks).
 DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, int num_requests,
                                    int64_t num_heads, int sm_count, int64_t partial_row_bytes,
