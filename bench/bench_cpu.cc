@@ -1,8 +1,8 @@
-// CPU benchmarks of every Backend op of the layer (DESIGN.md §10), DeepSeek-V3.2 TP8 shapes
-// (H = 16 heads per rank), one fresh prompt of T tokens (P = 0, E = T), backends made with
+// CPU benchmarks of every Backend op of the layer (docs/design.md#benchmarks), DeepSeek-V3.2 TP8
+// shapes (H = 16 heads per rank), one fresh prompt of T tokens (P = 0, E = T), backends made with
 // make_cpu_backend(threads). Arguments: T (tokens), threads, and for pool-reading ops the pool
-// layout (0 = bf16, 1 = fp8). Counters: GFLOP/s with FLOPs counted as in DESIGN.md §10, and GB/s
-// of the bytes an op must read and write (inputs, outputs and pool rows touched).
+// layout (0 = bf16, 1 = fp8). Counters: GFLOP/s with FLOPs counted as in docs/design.md#benchmarks,
+// and GB/s of the bytes an op must read and write (inputs, outputs and pool rows touched).
 //
 // Time is wall-clock (UseRealTime) per iteration; Google Benchmark repeats an op until 0.5 s
 // have passed, so the long T = 8192 attention runs are single iterations.
@@ -25,7 +25,7 @@
 namespace dsakit {
 namespace {
 
-// DeepSeek-V3.2 at TP8 (DESIGN.md §2).
+// DeepSeek-V3.2 at TP8 (docs/config.md).
 constexpr int kHeads = 16, kDnope = 128, kDrope = 64, kDv = 128, kDc = 512;
 constexpr int kIndexHeads = 64, kIndexDim = 128, kTopk = 2048, kPageSize = 64;
 constexpr double kSmScale = 0.1352337788608801;  // YaRN mscale² / sqrt(192), factor 40

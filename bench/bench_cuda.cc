@@ -1,8 +1,8 @@
-// CUDA benchmark (DESIGN.md §10): each stage of both paths and the whole layer, timed with CUDA
-// events on the backend's stream (Backend::time_ms; warm-up, median of >= 20 runs, 3 input sets
-// rotated so the L2 does not flatter) beside its host enqueue time, next to the ceilings measured
-// in the same run (device-to-device copy bandwidth, cuBLAS bf16 GEMM rate). Prints a table;
-// --json FILE writes the rows.
+// CUDA benchmark (docs/design.md#benchmarks): each stage of both paths and the whole layer, timed
+// with CUDA events on the backend's stream (Backend::time_ms; warm-up, median of >= 20 runs, 3
+// input sets rotated so the L2 does not flatter) beside its host enqueue time, next to the ceilings
+// measured in the same run (device-to-device copy bandwidth, cuBLAS bf16 GEMM rate). Prints a
+// table; --json FILE writes the rows.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,6 +20,7 @@
 #include "dsakit/error.h"
 #include "dsakit/layer.h"
 #include "src/cuda/cuda_backend.h"
+#include "tools/harness.h"
 
 namespace {
 
@@ -231,6 +232,80 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
   return rows;
 }
 
+// The sparse MLA kernels alone over one fresh causal prompt of T tokens: the indexer's real top-k
+// (pool locations), every compiled kernel forced in turn. FLOPs count valid (query, key) pairs.
+std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64_t t,
+                              KvLayout layout) {
+  const std::string shape =
+      fmt::format("{} H={} T={} {}", c.name, c.num_heads, t, to_string(layout));
+  std::fprintf(stderr, "[bench] sparse %s\n", shape.c_str());
+  const int64_t h = c.num_heads, dr = c.qk_rope_head_dim, dc = c.kv_lora_rank, hi = c.index_n_heads,
+                di = c.index_head_dim;
+  const int k = c.index_topk;
+  be.options().host_value_checks = false;
+  double sum_keff = 0;
+  for (int64_t i = 0; i < t; ++i) sum_keff += double(std::min<int64_t>(i + 1, k));
+  KvPoolDesc kd;
+  kd.layout = layout;
+  kd.num_pages = (t + 63) / 64;
+  kd.d_c = int(dc);
+  kd.d_rope = int(dr);
+  std::vector<PagedKvPool> pools;
+  std::vector<Tensor> q_abs, q_pe;
+  std::vector<int32_t> locs_h(static_cast<size_t>(t)), start_h(static_cast<size_t>(t), 0),
+      ctx_h(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) locs_h[size_t(i)] = int32_t(i), ctx_h[size_t(i)] = int32_t(i + 1);
+  auto dev_i32 = [&](std::vector<int32_t>& v) {
+    return be.to_device(make_view(v.data(), DType::kI32, Device::kCpu, {int64_t(v.size())}));
+  };
+  const Tensor locs = dev_i32(locs_h), start = dev_i32(start_h), ctx = dev_i32(ctx_h);
+  for (int i = 0; i < kSets; ++i) {
+    pools.push_back(be.make_kv_pool(kd));
+    be.store_kv(pools.back(), locs, random_device(be, DType::kBF16, {t, dc}, 30 + i),
+                random_device(be, DType::kBF16, {t, dr}, 40 + i));
+    q_abs.push_back(random_device(be, DType::kBF16, {t, h, dc}, 10 + i, 0.05f));
+    q_pe.push_back(random_device(be, DType::kBF16, {t, h, dr}, 20 + i));
+  }
+  IndexKeyPool ix = be.make_index_pool({64, kd.num_pages, int(di)});
+  be.store_index_keys(ix, locs, random_device(be, DType::kBF16, {t, di}, 60));
+  Tensor top = be.empty(DType::kI32, {t, k}), loc_top = be.empty(DType::kI32, {t, k});
+  IndexerArgs a;
+  a.keys = &ix;
+  a.kv_locs = locs;
+  a.kv_start = start;
+  a.ctx_len = ctx;
+  be.indexer_topk(random_device(be, DType::kBF16, {t, hi, di}, 50),
+                  random_device(be, DType::kF32, {t, hi}, 70), a, k, top);
+  be.positions_to_locations(top, locs, start, ctx, loc_top);
+  Tensor o_lat = be.empty(DType::kBF16, {t, h, dc}), lse = be.empty(DType::kF32, {t, h});
+  std::vector<Row> rows;
+  const SparseMlaKernel previous = be.options().sparse_mla_kernel;
+  for (const auto& [kernel, name] : {std::pair{SparseMlaKernel::kMmaSync, "sparse_mla_sm80"},
+                                     std::pair{SparseMlaKernel::kWgmma, "sparse_mla_sm90"}}) {
+    be.options().sparse_mla_kernel = kernel;
+    try {
+      const Timing tm = time_ms(be, [&](int i) {
+        SparseMlaArgs s;
+        s.q_abs = q_abs[size_t(i % kSets)];
+        s.q_pe = q_pe[size_t(i % kSets)];
+        s.kv = &pools[size_t(i % kSets)];
+        s.indices = loc_top;
+        s.topk_length = ctx;
+        s.sm_scale = c.softmax_scale();
+        s.o_lat = o_lat;
+        s.lse = lse;
+        be.sparse_mla(s);
+      });
+      rows.push_back({shape, name, tm, 2.0 * h * sum_keff * (576 + 512), 0});
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kUnsupported) throw;
+    }
+  }
+  be.options().sparse_mla_kernel = previous;
+  be.options().host_value_checks = true;
+  return rows;
+}
+
 // Whole layer (store + plan + path + outputs, host staging included) for fresh prompts, dense
 // vs sparse, contexts within index_topk (where both are exact).
 std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_t t,
@@ -240,7 +315,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
       fmt::format("{} H={} T={} layer {}", c.name, c.num_heads, t, to_string(layout));
   std::fprintf(stderr, "[bench] %s\n", shape.c_str());
   const std::vector<int32_t> len = {int32_t(t)};
-  const TokenStore tokens = TokenStore::random(c, len, 5);
+  const TokenStore tokens = random_token_store(c, len, 5);
   const Tensor w = be.to_device(random_kv_b_proj(c, 6));
   KvPoolDesc kd;
   kd.layout = layout;
@@ -272,14 +347,18 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
 
 int main(int argc, char** argv) {
   std::string json_path;
-  bool quick = false;
+  bool quick = false, sparse = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick"))
       quick = true;
+    else if (!std::strcmp(argv[i], "--sparse"))
+      sparse = true;
     else {
-      std::fprintf(stderr, "usage: dsakit_bench_cuda [--json FILE] [--quick]\n");
+      std::fprintf(stderr,
+                   "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse]\n"
+                   "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n");
       return 2;
     }
   }
@@ -292,27 +371,41 @@ int main(int argc, char** argv) {
     const Backend::Ceilings ceil = be.measure_ceilings();
     std::vector<Row> rows;
     const ModelConfig ds = ModelConfig::preset("deepseek-v3.2");
-    for (int tp : {1, 8})
+    const ModelConfig glm = ModelConfig::preset("glm-5");
+    if (sparse) {
+      for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw})
+        for (int tp : {1, 2, 4, 8})
+          for (int64_t t : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384}) {
+            auto r = bench_sparse(be, ds.with_tp(tp), t, layout);
+            rows.insert(rows.end(), r.begin(), r.end());
+          }
+      for (int64_t t : {256, 2048}) {
+        auto r = bench_sparse(be, ds.with_tp(8), t, KvLayout::kFp8Scaled);
+        rows.insert(rows.end(), r.begin(), r.end());
+      }
+    }
+    for (int tp : sparse ? std::vector<int>{} : std::vector<int>{1, 8})
       for (int64_t t : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384}) {
         auto r = bench_shape(be, ds.with_tp(tp), t, KvLayout::kFp8Scaled);
         rows.insert(rows.end(), r.begin(), r.end());
       }
-    const ModelConfig glm = ModelConfig::preset("glm-5");
-    for (int tp : {1, 4}) {
+    for (int tp : sparse ? std::vector<int>{} : std::vector<int>{1, 4}) {
       auto r = bench_shape(be, glm.with_tp(tp), 4096, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }
     // Short prompts with 16 heads, where the host's enqueue cost competes with the GPU's time.
-    for (const ModelConfig& c : {ds.with_tp(8), glm.with_tp(4)}) {
+    for (const ModelConfig& c : sparse ? std::vector<ModelConfig>{}
+                                       : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
       auto r = bench_shape(be, c, 256, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }
-    for (int tp : {1, 8})
+    for (int tp : sparse ? std::vector<int>{} : std::vector<int>{1, 8})
       for (int64_t t : {1024, 2048}) {
         auto r = bench_layer(be, ds.with_tp(tp), t, KvLayout::kFp8Scaled);
         rows.insert(rows.end(), r.begin(), r.end());
       }
-    for (const ModelConfig& c : {ds.with_tp(8), glm.with_tp(4)}) {
+    for (const ModelConfig& c : sparse ? std::vector<ModelConfig>{}
+                                       : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
       auto r = bench_layer(be, c, 256, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }

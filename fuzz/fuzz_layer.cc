@@ -4,7 +4,7 @@
 // tables, shared-prefix flag), one corrupted input tensor (dtype, shape, stride, device, null
 // data, row count) and NaN/Inf planted in one request's inputs.
 //
-// Invariants checked (DESIGN.md §8); a violation aborts:
+// Invariants checked (docs/reliability.md); a violation aborts:
 //   * a rejected call throws dsakit::Error of an input kind with a message, and leaves both pools
 //     byte-identical;
 //   * an accepted call returns o [T, H, d_v] and lse [T, H]; requests without planted NaN/Inf

@@ -119,13 +119,10 @@ int info_command() {
       }
     }
   }
-  std::string dense;
-  for (const auto& d : cuda_capabilities(90).dense_head_dims)
-    dense += fmt::format("{}{}/{}/{}", dense.empty() ? "" : ", ", d[0], d[1], d[2]);
-  fmt::print(
-      "kernels: sparse MLA d_qk 576 / d_v 512 (pool layouts bf16, fp8, fp8-raw); dense MHA "
-      "d_nope/d_rope/d_v {} on CUDA (sm_90, sm_100), any on CPU; presets:",
-      dense);
+  fmt::print("kernels: CPU: any head dims and pool layout; CUDA (sm_90a build):\n");
+  for (const std::string& family : cuda_capabilities(90).kernel_instances)
+    fmt::print("  {}\n", family);
+  fmt::print("presets:");
   for (const auto& p : ModelConfig::preset_names()) fmt::print(" {}", p);
   fmt::print("\n");
   return 0;

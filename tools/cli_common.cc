@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <ctime>
 
 #include "dsakit/error.h"
 
@@ -26,6 +27,22 @@ std::vector<int32_t> parse_int_list(const std::string& text, const char* flag, i
     i = j + 1;
   }
   return out;
+}
+
+std::string join_int_list(const std::vector<int32_t>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(v[i]);
+  }
+  return s;
+}
+
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
 }
 
 ModelConfig load_model(const std::string& model, int tp) {

@@ -11,6 +11,11 @@ namespace dsakit::cli {
 
 // "1500,700" -> {1500, 700}; throws Error(kInvalidArgument) naming `flag`.
 std::vector<int32_t> parse_int_list(const std::string& text, const char* flag, int32_t min_value);
+// {1500, 700} -> "1500,700" (the inverse).
+std::string join_int_list(const std::vector<int32_t>& values);
+
+// Today's date (UTC) as YYYY-MM-DD.
+std::string today();
 
 // Model from a preset name or a config.json path, sharded over `tp` ranks.
 ModelConfig load_model(const std::string& model, int tp);

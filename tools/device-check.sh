@@ -6,8 +6,8 @@
 #   4. `dsakit run --device cuda --verify` over both presets x three layouts x
 #      {fresh, chunked, prefix-hit, decode},
 #   5. the CUDA benchmark and the PyTorch SDPA peer,
-# then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files must be
-# carried in .peers/: run tools/device-prepare.sh here first, then carry [".peers"].
+# then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files are read
+# from tests/data/peers (in the tree; DSAKIT_PEERS_DIR overrides).
 #   6. (explicit only) `dsakit calibrate` into $OUT/profile.json and `dsakit bench` with it
 #      (DSAKIT_BENCH_MODELS, DSAKIT_PROFILE_IN, DSAKIT_LAYERBENCH_ARGS pass through).
 #   7. (explicit only) `profile`: ncu per-kernel times of a short-prompt call on both paths.
@@ -29,7 +29,6 @@ san() {  # tool binary: one job (gtest filter from SAN_FILTER); its verdict goes
 declare -A result
 t0=$(date +%s)
 note() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-export DSAKIT_PEERS_DIR=${DSAKIT_PEERS_DIR:-$PWD/.peers}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export DSAKIT_TEST_BACKENDS=${DSAKIT_TEST_BACKENDS:-cuda}
 jobs=$(nproc)

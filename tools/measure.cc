@@ -4,10 +4,10 @@
 #include <chrono>
 #include <numeric>
 
-#include "dsakit/driver.h"
 #include "dsakit/error.h"
 #include "dsakit/formats.h"
 #include "tools/cli_common.h"
+#include "tools/harness.h"
 
 namespace dsakit::cli {
 

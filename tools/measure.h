@@ -42,8 +42,8 @@ struct PolicyTiming {
   std::map<std::string, double> stages;  // median per-stage ms (same-named stages summed)
 };
 
-// FLOPs of one call through `path` over a batch with these features (DESIGN.md §10 counts:
-// attention, indexer and projections; a mixed plan sums its segments).
+// FLOPs of one call through `path` over a batch with these features (docs/design.md#benchmarks
+// counts: attention, indexer and projections; a mixed plan sums its segments).
 double layer_flops(const ModelConfig& config, AttentionPath path, const CostFeatures& f);
 double plan_flops(const ModelConfig& config, const Batch& batch, const Plan& plan);
 

@@ -28,7 +28,8 @@ struct RunOptions {
   uint64_t seed = 1;
   bool verify = false;
   int verify_tokens = 48;  // sampled tokens per request for --verify
-  double verify_tol = 0;   // rel-L2 bound on o; 0: DESIGN.md §9 (1e-2 bf16 pool, 3e-2 fp8)
+  // rel-L2 bound on o; 0: docs/numerics.md#tolerances (1e-2 bf16 pool, 3e-2 fp8 pools)
+  double verify_tol = 0;
   std::string inputs;
   std::string save;
   bool json = false;

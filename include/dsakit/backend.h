@@ -27,6 +27,8 @@ struct Capabilities {
   bool kv_halves = false;
   // (d_nope, d_rope, d_v) the dense kernels are compiled for; empty: any (the CPU backend).
   std::vector<std::array<int, 3>> dense_head_dims;
+  // The compiled kernel instances, one line per kernel family (`dsakit info`); empty: any shape.
+  std::vector<std::string> kernel_instances;
   DType intermediate_dtype = DType::kF32;  // q_abs, o_lat, up-projected K/V
 };
 
@@ -41,8 +43,8 @@ KvHalves kv_halves(const TensorView& kv, int64_t d_nope);
 // True when (k_nope, v) are laid out as kv_halves() makes them (and not contiguous tensors).
 bool are_kv_halves(const TensorView& k_nope, const TensorView& v);
 
-// Indexer (DESIGN.md §3.2) over the index-key pool. Scores of token t cover positions
-// 0 … ctx_len[t]-1 of its request, whose locations are kv_locs[kv_start[t] + p].
+// Indexer (docs/design.md, "Lightning indexer") over the index-key pool. Scores of token t cover
+// positions 0 … ctx_len[t]-1 of its request, whose locations are kv_locs[kv_start[t] + p].
 struct IndexerArgs {
   TensorView q8;    // u8  [T, H_i, d_i]  e4m3 bytes of idx_q / s_q
   TensorView gate;  // f32 [T, H_i]       idx_w · H_i^-0.5 · d_i^-0.5 · s_q
@@ -52,7 +54,34 @@ struct IndexerArgs {
   TensorView ctx_len;   // i32 [T]
 };
 
+// What indexer_logits may leave unwritten when its caller is the top-k of the same rows.
+struct IndexerLogitsOptions {
+  int64_t skip_ctx_at_most = -1;  // rows with ctx_len[t] <= this are not written at all
+  bool fill_masked = true;        // false: entries p >= ctx_len[t] are not written
+};
+
+// Bound on the indexer's scratch per block of query rows (FP8 queries, gates, logits), bytes:
+// the environment's DSAKIT_INDEXER_WORKSPACE_BYTES (a positive integer) when set, else
+// kIndexerBlockBytes. Throws kInvalidArgument naming the variable for any other value.
+inline constexpr int64_t kIndexerBlockBytes = int64_t(256) << 20;
+int64_t indexer_block_bytes();
+
+// How indexer_topk cuts T query rows over num_kv key rows (shapes only, never index values, so an
+// eager call and a captured graph of the same shapes agree): blocks of `rows` rows, each with
+// q8 u8 [rows, H_i, d_i], gate f32 [rows, H_i] and logits f32 [rows, width = num_kv], `bytes` in
+// all; at least one row per block even when one row alone exceeds the bound. When every context
+// fits in k (num_kv <= k) every row is the identity: no blocks, 0 bytes.
+struct IndexerBlocks {
+  int64_t rows = 0;
+  int64_t width = 0;
+  int64_t bytes = 0;
+  static IndexerBlocks plan(int64_t tokens, int64_t h_i, int64_t d_i, int64_t num_kv, int k,
+                            int64_t block_bytes);
+};
+
 struct SparseMlaArgs {
+  // q_abs and q_pe may be strided views (unit stride in the last dim), e.g. the column ranges
+  // [0, d_c) and [d_c, d_c + d_rope) of one [T, H, d_c + d_rope] query tensor.
   TensorView q_abs;  // [T, H, d_c]   bf16 | f32 (absorbed no-position query)
   TensorView q_pe;   // [T, H, d_rope] bf16 | f32
   const PagedKvPool* kv = nullptr;
@@ -61,6 +90,8 @@ struct SparseMlaArgs {
   double sm_scale = 0;
   TensorView o_lat;  // out [T, H, d_c] bf16 | f32
   TensorView lse;    // out f32 [T, H], natural log; +inf for a query with no valid slot
+  // Optional out f32 [T, H]: max over the valid slots of sm_scale·q·k; -inf with no valid slot.
+  TensorView max_logits;
 };
 
 struct DenseMhaArgs {
@@ -126,6 +157,24 @@ class Backend {
     (void)on;
     return true;
   }
+  // The values of an i32 index tensor for those checks: `data` points at host memory holding
+  // them (the tensor itself on the CPU, a synchronizing copy on a device), or is null when the
+  // backend checks no values now (checks off; CUDA: also while a graph is being captured).
+  struct HostIndexValues {
+    std::vector<int32_t> copy;
+    const int32_t* data = nullptr;
+  };
+  virtual HostIndexValues host_index_values(const TensorView& t) const;
+
+  // ---- workspace ----------------------------------------------------------------------
+  // Device scratch an op allocates beyond its arguments, in bytes, from shapes alone: the
+  // layer's workspace bound (DsaAttention::workspace_bytes) adds these to its own tensors.
+  // dense_mha over num_kv key rows of num_heads heads:
+  virtual int64_t dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope,
+                                          int d_v) const {
+    (void)num_kv, (void)num_heads, (void)d_nope, (void)d_v;
+    return 0;
+  }
 
   PagedKvPool make_kv_pool(const KvPoolDesc& desc);  // zero-filled
   IndexKeyPool make_index_pool(const IndexKeyPoolDesc& desc);
@@ -149,19 +198,24 @@ class Backend {
   virtual void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w,
                                   const TensorView& q8, const TensorView& gate) = 0;
   // Logits of tokens [row_begin, row_end) into logits f32 [row_end - row_begin, width]:
-  // entry (t, p) for p < ctx_len[t] (requires ctx_len[t] <= width), -inf for p >= ctx_len[t].
+  // entry (t, p) for p < ctx_len[t] (requires ctx_len[t] <= width), -inf for p >= ctx_len[t]
+  // unless options say otherwise.
   virtual void indexer_logits(const IndexerArgs& args, int64_t row_begin, int64_t row_end,
-                              const TensorView& logits) = 0;
+                              const TensorView& logits,
+                              const IndexerLogitsOptions& options = {}) = 0;
   // Top-k of each logits row over its first ctx_len[t] entries: the selected positions in
   // ascending order, -1 padded, into out i32 [rows, k]. Largest scores win; ties go to the lower
-  // position; NaN ranks below every number (-inf included).
+  // position; NaN ranks below every number (-inf included). A row with ctx_len[t] <= k selects
+  // 0 … ctx_len[t]-1 without reading its logits, so logits [rows, width] needs width >= ctx_len[t]
+  // only for the rows with ctx_len[t] > k (logits [rows, 0] when there are none).
   virtual void topk(const TensorView& logits, const TensorView& ctx_len, int k,
                     const TensorView& out) = 0;
-  // The whole indexer: quantize, logits (in row blocks bounded by workspace) and top-k, with
-  // the identity shortcut for tokens whose ctx_len <= k (no logits computed for them).
+  // The whole indexer, the same on every backend (src/core/indexer_topk.cc): validates, then
+  // quantize, logits and top-k of one block of query rows at a time (IndexerBlocks), with the
+  // identity shortcut for tokens whose ctx_len <= k (no logits computed for them).
   // out: i32 [T, k] positions within each request, ascending, -1 padded.
-  virtual void indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
-                            const IndexerArgs& layout, int k, const TensorView& out) = 0;
+  void indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
+                    int k, const TensorView& out);
 
   // ---- projections (GEMMs) ------------------------------------------------------------
   // kv_b_proj: bf16 [H*(d_nope+d_v), d_c] (per head: d_nope rows of W_UK, then d_v of W_UV).

@@ -1,4 +1,4 @@
-// A batch of requests at the attention-backend boundary (DESIGN.md §3, §4).
+// A batch of requests at the attention-backend boundary (docs/design.md#paged-pool).
 //
 // Request r has P_r cached prefix tokens and E_r new tokens; new token i sits at position
 // P_r + i and sees positions 0 … P_r + i. T = Σ E_r. The batch's new tokens are laid out in
@@ -24,7 +24,7 @@ struct Batch {
   // such pages must then lie wholly inside both requests' prefixes (never written).
   bool shared_prefix_pages = false;
 
-  // Engine state the dispatcher reads (DESIGN.md §5).
+  // Engine state the dispatcher reads (docs/dispatch.md).
   bool cuda_graph = false;                 // capturing or replaying a CUDA graph
   bool speculative = false;                // extend with speculative decoding
   bool context_parallel = false;           // prefill context parallelism on

@@ -1,4 +1,4 @@
-// Model configuration of one DSA attention layer (DESIGN.md §2).
+// Model configuration of one DSA attention layer (docs/config.md).
 #pragma once
 
 #include <string>

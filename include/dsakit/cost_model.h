@@ -1,6 +1,6 @@
-// The cost model behind cost-mode dispatch (DESIGN.md §5): per-device predictions of the whole
-// layer call's time through each path, fitted by `dsakit calibrate` and stored as a JSON profile
-// keyed by device name, model dimensions and pool layout.
+// The cost model behind cost-mode dispatch (docs/dispatch.md#cost-mode): per-device predictions of
+// the whole layer call's time through each path, fitted by `dsakit calibrate` and stored as a JSON
+// profile keyed by device name, model dimensions and pool layout.
 //
 // A prediction is a sum of terms, each a coefficient (ms) times a feature of the (sub-)batch:
 //   1      one layer call                 R      requests
@@ -27,15 +27,11 @@ namespace dsakit {
 
 enum class AttentionPath : uint8_t;
 
-// Bump when a profile's meaning changes (terms, units) or when kernels change speed enough that
-// old profiles would mislead: profiles with another value are refused as stale.
+// The profile format and the kernel revision a profile was measured with: profiles with another
+// value of either are refused as stale. The format changes with a profile's meaning (terms,
+// units); the revision when the kernels change speed enough that old profiles would mislead
+// (what each revision changed: docs/dispatch.md, cost mode).
 inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correction
-// 2: dense MHA schedule from the arena; 3: the layer's sparse MLA stops at each token's
-// context length (topk_length); 4: the layer uploads its index arrays in one copy; 5: the CUDA
-// indexer skips query quantization and logits when every context fits index_topk; 6: CUDA dense
-// MHA splits long tiles of short grids (split-KV + merge) and GLM-5's V columns, K/V by one GEMM,
-// no gather of bf16 inputs, schedule in the launch parameters; uploads via pinned staging;
-// 7: CUDA K/V up-projection as one tall GEMM instead of a batch over heads.
 inline constexpr int kCostKernelRevision = 7;
 
 // The terms of the table above; names as written in profiles.

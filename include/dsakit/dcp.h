@@ -1,4 +1,4 @@
-// In-process simulation of decode context parallelism (DCP) over W ranks (DESIGN.md §6).
+// In-process simulation of decode context parallelism (DCP) over W ranks (docs/layer.md).
 // Position p of a request lives on rank p % W at local row p / W; each rank has its own pools and
 // page tables. Each rank computes partial attention (output + lse) over the tokens it owns;
 // partials merge exactly by lse. Sparse top-k: every rank proposes its local top-k by score and

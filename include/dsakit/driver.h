@@ -1,5 +1,6 @@
 // Drivers over the layer: whole prompts fed as chunked extends, decode steps, and the host-side
-// token store they slice from (DESIGN.md §6). Used by the CLI, the benchmarks and the tests.
+// token store they slice from (docs/layer.md). Used by the CLI, the benchmarks and the tests
+// (which fabricate their inputs with tools/harness.h).
 #pragma once
 
 #include <cstdint>
@@ -19,10 +20,6 @@ struct TokenStore {
 
   int64_t rows() const;
   int64_t offset(int r) const;
-  // Random inputs for `lengths` (normal(0,1) bf16 queries and keys, c_kv scaled like an RMS-
-  // normalized latent, fp32 idx_w), deterministic in `seed`.
-  static TokenStore random(const ModelConfig& config, const std::vector<int32_t>& lengths,
-                           uint64_t seed);
   // Rows `rows` (in order) copied into new host tensors on `backend`'s device.
   struct DeviceInputs {
     Tensor q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w;
@@ -30,9 +27,6 @@ struct TokenStore {
   };
   DeviceInputs slice(Backend& backend, const std::vector<int64_t>& rows) const;
 };
-
-// Random kv_b_proj bf16 [H*(d_nope+d_v), d_c] on the host, scaled ~1/sqrt(d_c).
-Tensor random_kv_b_proj(const ModelConfig& config, uint64_t seed);
 
 // One step of a run: the batch that was sent and what came back.
 struct StepRecord {
@@ -65,10 +59,5 @@ struct RunSchedule {
 void run_schedule(DsaAttention& layer, const std::vector<std::vector<int32_t>>& page_tables,
                   const TokenStore& tokens, const RunSchedule& schedule, RunOutputs& out,
                   const std::function<void(int64_t, int64_t)>& progress = {});
-
-// Page tables for `lengths` tokens per request: disjoint pages from a shuffled pool of
-// `num_pages` (seeded). Throws if the pool is too small.
-std::vector<std::vector<int32_t>> allocate_pages(const std::vector<int32_t>& lengths, int page_size,
-                                                 int64_t num_pages, uint64_t seed);
 
 }  // namespace dsakit

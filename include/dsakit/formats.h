@@ -1,5 +1,5 @@
 // Number formats shared by every backend: bfloat16 and FP8 e4m3fn conversions and the scale
-// rules of DESIGN.md §3.2 and §4. Header-only and usable from host and device code.
+// rules of docs/formats.md. Header-only and usable from host and device code.
 //
 // Invariants:
 //  * float -> bf16 and float -> e4m3 round to nearest, ties to even.
@@ -103,7 +103,8 @@ DSAKIT_HD float pow2_ceil(float v) {
   return f32_from_bits((u & 0x7F800000u) + 0x00800000u);
 }
 
-// Latent-pool FP8 scale policies (DESIGN.md §4), from the amax of one 128-value tile.
+// Latent-pool FP8 scale policies (docs/formats.md#scale-rules), from the amax of one 128-value
+// tile.
 enum class ScalePolicy : uint8_t {
   kAmax,  // s = max(amax / 448, FLT_MIN)
   kPow2,  // s = smallest power of two >= max(amax / 448, 1e-4)
@@ -115,7 +116,7 @@ DSAKIT_HD float fp8_tile_scale(float amax, ScalePolicy policy) {
   return pow2_ceil(v > 1e-4f ? v : 1e-4f);
 }
 
-// Indexer scale (DESIGN.md §3.2): smallest power of two >= max(amax, 1e-4) / 448.
+// Indexer scale (docs/formats.md#scale-rules): smallest power of two >= max(amax, 1e-4) / 448.
 DSAKIT_HD float indexer_fp8_scale(float amax) {
   return pow2_ceil((amax > 1e-4f ? amax : 1e-4f) / kE4m3Max);
 }
@@ -124,5 +125,36 @@ DSAKIT_HD float indexer_fp8_scale(float amax) {
 DSAKIT_HD uint8_t quantize_e4m3(float x, float s) {
   return f32_to_e4m3(x / s);
 }
+
+// ---- latent pool rows -----------------------------------------------------------------
+// The three latent-pool layouts; docs/formats.md gives them byte by byte.
+enum class KvLayout : uint8_t { kBf16, kFp8Scaled, kFp8Raw };
+
+inline constexpr int kFp8TileSize = 128;  // values per fp32 scale in the fp8 (656 B) layout
+
+// Byte layout of one latent token row.
+struct KvRowLayout {
+  KvLayout layout;
+  int d_c;
+  int d_rope;
+
+  DSAKIT_HD int bytes_per_token() const {
+    switch (layout) {
+      case KvLayout::kBf16:
+        return 2 * (d_c + d_rope);
+      case KvLayout::kFp8Scaled:
+        return d_c + 4 * (d_c / kFp8TileSize) + 2 * d_rope;
+      case KvLayout::kFp8Raw:
+        return d_c + d_rope;
+    }
+    return 0;
+  }
+  DSAKIT_HD int scales_offset() const { return d_c; }  // fp8 only
+  DSAKIT_HD int rope_offset() const {
+    return layout == KvLayout::kBf16     ? 2 * d_c
+           : layout == KvLayout::kFp8Raw ? d_c
+                                         : d_c + 4 * (d_c / kFp8TileSize);
+  }
+};
 
 }  // namespace dsakit

@@ -1,4 +1,4 @@
-// One DSA attention layer at the attention-backend boundary (DESIGN.md §1, §3, §6):
+// One DSA attention layer at the attention-backend boundary (docs/design.md, docs/layer.md):
 // store the new tokens' latent KV and index keys into the pools, plan, run the chosen path.
 #pragma once
 
@@ -48,7 +48,9 @@ struct LayerOptions {
   double sm_scale = 0;                // 0: ModelConfig::softmax_scale()
   DType output_dtype = DType::kBF16;  // bf16 or f32
   DispatchPolicy policy;
-  bool time_stages = false;  // synchronize around each stage and record wall time
+  // Time each stage with Backend::time_ms (CUDA: events on the stream, from an idle device;
+  // CPU: wall time) into LayerResult::stages.
+  bool time_stages = false;
   // Upper bound on workspace_bytes() of one forward call; 0: no limit. A call over the limit
   // throws Error(kResource) before anything is stored or computed.
   int64_t max_workspace_bytes = 0;
@@ -79,8 +81,9 @@ class DsaAttention {
   // Bytes of device memory one forward call over the valid `batch` allocates when it takes
   // `path`: the outputs, the index arrays, the path's intermediates (dense: gathered and
   // up-projected K/V of all Σ L_r positions; sparse: top-k, locations, q_abs, o_lat) and the
-  // indexer's row-block buffers (at most 256 MiB). Kernel-internal scratch (per-thread tiles,
-  // f32 staging of bf16 operands) is not included.
+  // scratch the backend reports for its ops (dense_mha_scratch_bytes; the indexer's blocks,
+  // IndexerBlocks, at most indexer_block_bytes()). Kernel-internal scratch of fixed size
+  // (per-thread tiles, f32 staging of bf16 operands) is not included.
   int64_t workspace_bytes(const Batch& batch, AttentionPath path) const;
   // The same for a plan (a mixed plan: its largest segment's intermediates, the index arrays of
   // the batch and of every segment, and the whole batch's outputs).
@@ -91,9 +94,9 @@ class DsaAttention {
   LayerResult forward(const Batch& batch, const LayerInputs& inputs);
 
  private:
-  // One path over the requests `bi` indexes (their new tokens are already stored; `dev` is bi
-  // on the device); `in`, o, lse and topk hold exactly their rows. topk may be empty for the
-  // dense path.
+  // The dense or the sparse path over the requests `bi` indexes (their new tokens are already
+  // stored; `dev` is bi on the device); `in`, o, lse and topk hold exactly their rows. topk may
+  // be empty for the dense path. forward() runs a mixed plan's segments through it one by one.
   void run_path(AttentionPath path, const BatchIndex& bi, const detail::DeviceBatchIndex& dev,
                 const LayerInputs& in, const TensorView& o, const TensorView& lse,
                 const TensorView& topk,

@@ -1,4 +1,4 @@
-// The dispatcher (DESIGN.md §5): for a batch, choose dense MHA or sparse MLA and say why.
+// The dispatcher (docs/dispatch.md): for a batch, choose dense MHA or sparse MLA and say why.
 // The planner knows no kernel: it reads the batch, the pool layout, the model config and the
 // backend's Capabilities only.
 #pragma once
@@ -42,9 +42,8 @@ struct DispatchPolicy {
   std::string profile_path;  // file `profile` was read from, if any
   bool allow_split = true;   // cost mode may run a batch as dense and sparse sub-batches
   // ... when the split is predicted at least this fraction cheaper than the best whole path:
-  // each run pays index handling and launches the profile does not model, and on the H200 the
-  // splits predicted 0.2-1.5% cheaper measured 0.7-3.1% slower (those predicted 12-21% cheaper
-  // measured 6-24% faster). In [0, 1).
+  // each run pays index handling and launches the profile does not model (docs/dispatch.md,
+  // cost mode, has the measurements behind the default). In [0, 1).
   double min_split_gain = 0.05;
 
   // Applies DSAKIT_DISPATCH, DSAKIT_DENSE_KV_LEN_THRESHOLD and DSAKIT_PROFILE from the
@@ -66,7 +65,7 @@ struct PlanSegment {
 struct Plan {
   AttentionPath path = AttentionPath::kSparseMla;
   DispatchMode mode = DispatchMode::kRule;
-  int rule = 0;              // the deciding rule of §5 (1-8), 0 when forced or all passed
+  int rule = 0;  // the deciding rule (1-8, docs/dispatch.md), 0 when forced or all passed
   bool approximate = false;  // dense over contexts longer than index_topk (opt-in)
   std::string reason;        // one line naming the deciding rule and its numbers
   // Runs of requests in batch order with their paths: one segment covering the batch unless

@@ -1,4 +1,4 @@
-// The paged MLA KV pool and the indexer-key pool (DESIGN.md §4).
+// The paged MLA KV pool and the indexer-key pool (docs/formats.md).
 //
 // Location of position p of a request: loc = page_table[p / page_size] * page_size + p % page_size.
 // A latent pool's storage is u8 [num_pages * page_size, bytes_per_token]: one row per location.
@@ -9,7 +9,7 @@
 //                    then d_rope bf16 k_pe (not quantized)
 //   fp8-raw   576 B  d_c + d_rope e4m3 values of x / k_scale (one fp32 k_scale per pool)
 // Index-key pool storage is u8 [num_pages, page_size * (d_i + 4)]: per page, page_size * d_i e4m3
-// bytes, then page_size fp32 scales (power-of-two, DESIGN.md §3.2).
+// bytes, then page_size fp32 scales (power-of-two, docs/formats.md#scale-rules).
 #pragma once
 
 #include <cstdint>
@@ -20,39 +20,10 @@
 
 namespace dsakit {
 
-enum class KvLayout : uint8_t { kBf16, kFp8Scaled, kFp8Raw };
-
-inline constexpr int kFp8TileSize = 128;  // values per fp32 scale in the fp8 (656 B) layout
-
 const char* to_string(KvLayout layout);             // "bf16" | "fp8" | "fp8-raw"
 KvLayout parse_kv_layout(const std::string& name);  // throws naming the accepted names
 const char* to_string(ScalePolicy policy);          // "amax" | "pow2"
 ScalePolicy parse_scale_policy(const std::string& name);
-
-// Byte layout of one latent token row.
-struct KvRowLayout {
-  KvLayout layout;
-  int d_c;
-  int d_rope;
-
-  DSAKIT_HD int bytes_per_token() const {
-    switch (layout) {
-      case KvLayout::kBf16:
-        return 2 * (d_c + d_rope);
-      case KvLayout::kFp8Scaled:
-        return d_c + 4 * (d_c / kFp8TileSize) + 2 * d_rope;
-      case KvLayout::kFp8Raw:
-        return d_c + d_rope;
-    }
-    return 0;
-  }
-  DSAKIT_HD int scales_offset() const { return d_c; }  // fp8 only
-  DSAKIT_HD int rope_offset() const {
-    return layout == KvLayout::kBf16     ? 2 * d_c
-           : layout == KvLayout::kFp8Raw ? d_c
-                                         : d_c + 4 * (d_c / kFp8TileSize);
-  }
-};
 
 struct KvPoolDesc {
   KvLayout layout = KvLayout::kBf16;

@@ -109,6 +109,12 @@ void check_tensor(const TensorView& t, const char* name, DType dtype, Device dev
 void check_tensor(const TensorView& t, const char* name, std::initializer_list<DType> dtypes,
                   Device device, std::initializer_list<int64_t> shape);
 
+// As above for a view that need not be contiguous: unit stride in the last dim and rows that
+// do not overlap (e.g. a column range of a larger tensor).
+void check_strided_tensor(const TensorView& t, const char* name,
+                          std::initializer_list<DType> dtypes, Device device,
+                          std::initializer_list<int64_t> shape);
+
 // Loads element i of a bf16 / f32 / f64 tensor as float (host code only).
 float load_as_float(const TensorView& t, int64_t i);
 

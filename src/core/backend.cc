@@ -1,9 +1,12 @@
-// Backend methods shared by every device, and the run-time backend choice.
+// Backend methods shared by every device (pool construction, copies to and from the host,
+// wall-time timing, kv_halves) and the planner's view of the CUDA backend, cuda_capabilities().
+// The run-time backend choice, make_backend(), is in src/layer/backend_select.cc.
 #include "dsakit/backend.h"
 
 #include <chrono>
 
 #include "dsakit/error.h"
+#include "src/cuda/attention/dispatch.h"  // the instance table: plain C++, no CUDA
 
 namespace dsakit {
 
@@ -30,14 +33,18 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.device = Device::kCuda;
   c.device_name = "cuda sm_" + std::to_string(sm_arch);
   c.sm_arch = sm_arch;
-  c.dense_mha = sm_arch == 90 || sm_arch == 100;  // DESIGN.md §5 rule 3
+  c.dense_mha = sm_arch == 90 || sm_arch == 100;  // docs/dispatch.md, rule 3
   c.dense_kv_visible = false;
   c.kv_halves = true;
   c.intermediate_dtype = DType::kBF16;
-  // The compiled dense instances: src/cuda/sm90/prefill/dense_mha/instantiations/*.cu, dispatched
-  // by dispatch_dense_dims (src/cuda/attention/dispatch.h); keep the two lists equal
-  // (tests/cuda/test_cuda_attention.cc runs both shapes).
-  c.dense_head_dims = {{128, 64, 128}, {192, 64, 128}, {192, 64, 256}};
+  // Every figure below comes from the one table of compiled instances.
+#define DSAKIT_X(kNope, kRope, kV) c.dense_head_dims.push_back({kNope, kRope, kV});
+  DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  c.kernel_instances = {
+      "sparse MLA (d_qk 576, d_v 512), wgmma: " + cuda::attention::sparse_mla_sm90_supported(),
+      "sparse MLA (d_qk 576, d_v 512), mma.sync: " + cuda::attention::sparse_mla_sm80_supported(),
+      "dense MHA (d_nope, d_rope, d_v), mma.sync: " + cuda::attention::dense_mha_sm80_supported()};
   return c;
 }
 
@@ -85,9 +92,14 @@ Tensor Backend::to_host(const TensorView& src) {
   return t;
 }
 
-}  // namespace dsakit
-
-namespace dsakit {
+Backend::HostIndexValues Backend::host_index_values(const TensorView& t) const {
+  HostIndexValues h;
+  // Host memory is read in place; a view that is not a contiguous i32 tensor is left to the
+  // shape checks to reject.
+  if (t.device == Device::kCpu && t.dtype == DType::kI32 && t.is_contiguous())
+    h.data = t.ptr<const int32_t>();
+  return h;
+}
 
 void Backend::positions_to_locations(const TensorView&, const TensorView&, const TensorView&,
                                      const TensorView&, const TensorView&) {

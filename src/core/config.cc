@@ -1,4 +1,4 @@
-// Model configuration: presets, Hugging Face config.json parsing and validation (DESIGN.md §2).
+// Model configuration: presets, Hugging Face config.json parsing and validation (docs/config.md).
 #include "dsakit/config.h"
 
 #include <cmath>

@@ -1,4 +1,5 @@
-// Safetensors reader and writer (DESIGN.md §8: malformed files fail with Error(kFormat)).
+// Safetensors reader and writer (docs/config.md#safetensors-files); malformed files fail with
+// Error(kFormat).
 //
 // File layout, all integers little-endian:
 //   [0, 8)          u64 n: header length in bytes

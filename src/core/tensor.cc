@@ -117,7 +117,7 @@ Tensor Tensor::host(DType dtype, const std::vector<int64_t>& shape) {
 }
 
 static void check_shape(const TensorView& t, const char* name, Device device,
-                        std::initializer_list<int64_t> shape) {
+                        std::initializer_list<int64_t> shape, bool strided_ok = false) {
   DSAKIT_CHECK_ARG(t.device == device, name, ": expected a ", to_string(device), " tensor, got a ",
                    to_string(t.device), " tensor");
   const int n = int(shape.size());
@@ -129,8 +129,19 @@ static void check_shape(const TensorView& t, const char* name, Device device,
   }
   DSAKIT_CHECK_ARG(ok, name, ": expected shape ", dims_str(shape.begin(), n), ", got ",
                    t.shape_str());
-  DSAKIT_CHECK_ARG(t.is_contiguous(), name, ": expected a contiguous tensor of shape ",
-                   t.shape_str());
+  if (strided_ok) {
+    // Unit stride in the last dim; each outer stride spans its inner extent (no overlap).
+    bool rows_ok = t.ndim == 0 || t.stride[size_t(t.ndim - 1)] == 1;
+    for (int i = 0; rows_ok && i + 1 < t.ndim; ++i)
+      rows_ok = t.stride[size_t(i)] >= t.shape[size_t(i + 1)] * t.stride[size_t(i + 1)];
+    DSAKIT_CHECK_ARG(rows_ok, name,
+                     ": expected unit stride in the last dim and non-overlapping "
+                     "rows, got shape ",
+                     t.shape_str(), " with strides ", dims_str(t.stride.data(), t.ndim));
+  } else {
+    DSAKIT_CHECK_ARG(t.is_contiguous(), name, ": expected a contiguous tensor of shape ",
+                     t.shape_str());
+  }
   DSAKIT_CHECK_ARG(t.data != nullptr || t.numel() == 0, name, ": null data pointer");
 }
 
@@ -141,8 +152,8 @@ void check_tensor(const TensorView& t, const char* name, DType dtype, Device dev
   check_shape(t, name, device, shape);
 }
 
-void check_tensor(const TensorView& t, const char* name, std::initializer_list<DType> dtypes,
-                  Device device, std::initializer_list<int64_t> shape) {
+static void check_dtype(const TensorView& t, const char* name,
+                        std::initializer_list<DType> dtypes) {
   bool ok = false;
   std::string accepted;
   for (DType d : dtypes) {
@@ -151,7 +162,19 @@ void check_tensor(const TensorView& t, const char* name, std::initializer_list<D
     accepted += to_string(d);
   }
   DSAKIT_CHECK_ARG(ok, name, ": expected dtype ", accepted, ", got ", to_string(t.dtype));
+}
+
+void check_tensor(const TensorView& t, const char* name, std::initializer_list<DType> dtypes,
+                  Device device, std::initializer_list<int64_t> shape) {
+  check_dtype(t, name, dtypes);
   check_shape(t, name, device, shape);
+}
+
+void check_strided_tensor(const TensorView& t, const char* name,
+                          std::initializer_list<DType> dtypes, Device device,
+                          std::initializer_list<int64_t> shape) {
+  check_dtype(t, name, dtypes);
+  check_shape(t, name, device, shape, /*strided_ok=*/true);
 }
 
 float load_as_float(const TensorView& t, int64_t i) {

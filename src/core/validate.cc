@@ -123,12 +123,16 @@ int64_t indexer_args(const IndexerArgs& a, Device dev, const int32_t* host_kv_lo
 }
 
 void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
-                        const TensorView& logits, int64_t max_ctx, Device dev) {
+                        const TensorView& logits, Device dev, const int32_t* host_ctx_len) {
   const int64_t t = a.q8.shape[0];
   DSAKIT_CHECK_ARG(0 <= row_begin && row_begin <= row_end && row_end <= t,
                    "indexer_logits rows: expected 0 <= begin <= end <= ", t, ", got [", row_begin,
                    ", ", row_end, ")");
   check_tensor(logits, "logits", DType::kF32, dev, {row_end - row_begin, -1});
+  if (host_ctx_len == nullptr) return;
+  int64_t max_ctx = 0;
+  for (int64_t r = row_begin; r < row_end; ++r)
+    max_ctx = std::max<int64_t>(max_ctx, host_ctx_len[r]);
   DSAKIT_CHECK_ARG(logits.shape[1] >= max_ctx, "logits: width ", logits.shape[1],
                    " is smaller than the longest context ", max_ctx);
 }
@@ -158,8 +162,9 @@ void topk(const TensorView& logits, const TensorView& ctx_len, int k, const Tens
   check_tensor(out, "topk out", DType::kI32, dev, {rows, k});
   if (host_ctx_len)
     for (int64_t i = 0; i < rows; ++i)
-      DSAKIT_CHECK_ARG(host_ctx_len[i] >= 0 && host_ctx_len[i] <= width, "ctx_len[", i,
-                       "]: expected in [0, ", width, "], got ", host_ctx_len[i]);
+      DSAKIT_CHECK_ARG(host_ctx_len[i] >= 0 && (host_ctx_len[i] <= k || host_ctx_len[i] <= width),
+                       "ctx_len[", i, "]: expected in [0, ", std::max<int64_t>(width, k),
+                       "] (logits width ", width, ", k ", k, "), got ", host_ctx_len[i]);
 }
 
 static void check_kv_b_proj(const TensorView& w, Device dev, int64_t h, int64_t d_nope, int64_t d_v,
@@ -202,13 +207,14 @@ void sparse_mla(const SparseMlaArgs& a, Device dev) {
   DSAKIT_CHECK_ARG(a.kv->device() == dev, "sparse_mla: kv pool lives on ",
                    to_string(a.kv->device()), ", backend on ", to_string(dev));
   const auto& d = a.kv->desc();
-  check_tensor(a.q_abs, "q_abs", kFloat, dev, {-1, -1, d.d_c});
+  check_strided_tensor(a.q_abs, "q_abs", kFloat, dev, {-1, -1, d.d_c});
   const int64_t t = a.q_abs.shape[0], h = a.q_abs.shape[1];
-  check_tensor(a.q_pe, "q_pe", kFloat, dev, {t, h, d.d_rope});
+  check_strided_tensor(a.q_pe, "q_pe", kFloat, dev, {t, h, d.d_rope});
   check_tensor(a.indices, "indices", DType::kI32, dev, {t, -1});
   if (a.topk_length.ndim != 0) check_tensor(a.topk_length, "topk_length", DType::kI32, dev, {t});
   check_tensor(a.o_lat, "o_lat", kFloat, dev, {t, h, d.d_c});
   check_tensor(a.lse, "lse", DType::kF32, dev, {t, h});
+  if (a.max_logits.ndim != 0) check_tensor(a.max_logits, "max_logits", DType::kF32, dev, {t, h});
   DSAKIT_CHECK_ARG(a.sm_scale > 0 && a.sm_scale < 1e6,
                    "sm_scale: expected a positive finite value, got ", a.sm_scale);
 }

@@ -1,4 +1,4 @@
-// Argument validation shared by every backend (DESIGN.md §8). Each function checks shapes,
+// Argument validation shared by every backend (docs/reliability.md). Each function checks shapes,
 // dtypes, devices and contiguity of one Backend op's arguments and throws Error naming the
 // argument; value checks (location ranges, distinctness) read host copies of index tensors,
 // passed by the backend (nullptr skips them, for ops whose kernels bound-check instead).
@@ -22,14 +22,18 @@ void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const 
 // nullptr to skip value checks. Returns max ctx_len over the rows (0 if unknown).
 int64_t indexer_args(const IndexerArgs& a, Device dev, const int32_t* host_kv_locs,
                      const int32_t* host_kv_start, const int32_t* host_ctx_len);
+// Rows [row_begin, row_end) of a.q8 and logits f32 [rows, width] with width >= every row's
+// ctx_len (checked when host_ctx_len is given).
 void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
-                        const TensorView& logits, int64_t max_ctx, Device dev);
+                        const TensorView& logits, Device dev, const int32_t* host_ctx_len);
 // The whole indexer: k >= 1, idx_q bf16 [T, H_i, d_i] (H_i >= 1, d_i of the index-key pool),
 // idx_w f32 [T, H_i], out i32 [T, k], and the layout's pool, kv_locs, kv_start and ctx_len as
 // in indexer_args (its q8 and gate are not read). host_* as above. Returns max ctx_len.
 int64_t indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
                      int k, const TensorView& out, Device dev, const int32_t* host_kv_locs,
                      const int32_t* host_kv_start, const int32_t* host_ctx_len);
+// logits f32 [rows, width]: width >= ctx_len[t] for every row with ctx_len[t] > k (the rows
+// whose logits top-k reads).
 void topk(const TensorView& logits, const TensorView& ctx_len, int k, const TensorView& out,
           Device dev, const int32_t* host_ctx_len);
 void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,

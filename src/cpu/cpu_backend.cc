@@ -2,7 +2,6 @@
 // kernel (src/cpu/kernels.h). Host memory only.
 #include <omp.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -86,15 +85,10 @@ class CpuBackend final : public Backend {
     std::unique_ptr<char[]> src(new char[size_t(bytes)]), dst(new char[size_t(bytes)]);
     std::memset(src.get(), 0x5A, size_t(bytes));
     std::memset(dst.get(), 0, size_t(bytes));
-    auto best_ms = [](int runs, const auto& fn) {
+    // Best of `runs` wall times, each by time_ms.
+    auto best_ms = [&](int runs, const std::function<void()>& fn) {
       double best = 1e300;
-      for (int i = 0; i < runs; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        fn();
-        best = std::min(
-            best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                      .count());
-      }
+      for (int i = 0; i < runs; ++i) best = std::min(best, time_ms(fn));
       return best;
     };
     const double copy_ms = best_ms(5, [&] {
@@ -135,28 +129,17 @@ class CpuBackend final : public Backend {
     cpu::indexer_quantize_q(ctx_, idx_q, idx_w, q8, gate);
   }
   void indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
-                      const TensorView& logits) override {
-    const int64_t max_ctx = validate::indexer_args(a, Device::kCpu, host_i32(a.kv_locs),
-                                                   host_i32(a.kv_start), host_i32(a.ctx_len));
-    int64_t rows_max = 0;
-    for (int64_t t = row_begin; t < row_end && t < a.ctx_len.numel(); ++t)
-      rows_max = std::max<int64_t>(rows_max, host_i32(a.ctx_len)[t]);
-    (void)max_ctx;
-    validate::indexer_logits_out(a, row_begin, row_end, logits, rows_max, Device::kCpu);
-    cpu::indexer_logits(ctx_, a, row_begin, row_end, logits);
+                      const TensorView& logits, const IndexerLogitsOptions& options) override {
+    validate::indexer_args(a, Device::kCpu, host_i32(a.kv_locs), host_i32(a.kv_start),
+                           host_i32(a.ctx_len));
+    validate::indexer_logits_out(a, row_begin, row_end, logits, Device::kCpu, host_i32(a.ctx_len));
+    cpu::indexer_logits(ctx_, a, row_begin, row_end, logits, options);
   }
   void topk(const TensorView& logits, const TensorView& ctx_len, int k,
             const TensorView& out) override {
     validate::topk(logits, ctx_len, k, out, Device::kCpu, host_i32(ctx_len));
     cpu::topk(ctx_, logits, ctx_len, k, out);
   }
-  void indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
-                    int k, const TensorView& out) override {
-    validate::indexer_topk(idx_q, idx_w, layout, k, out, Device::kCpu, host_i32(layout.kv_locs),
-                           host_i32(layout.kv_start), host_i32(layout.ctx_len));
-    cpu::indexer_topk(ctx_, idx_q, idx_w, layout, k, out);
-  }
-
   void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
                 const TensorView& q_abs) override {
     validate::absorb_q(q_nope, kv_b_proj, d_v, q_abs, Device::kCpu);

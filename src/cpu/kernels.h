@@ -29,9 +29,7 @@ const std::array<float, 256>& e4m3_values();
 void indexer_quantize_q(const CpuContext& ctx, const TensorView& idx_q, const TensorView& idx_w,
                         const TensorView& q8, const TensorView& gate);
 void indexer_logits(const CpuContext& ctx, const IndexerArgs& args, int64_t row_begin,
-                    int64_t row_end, const TensorView& logits);
-void indexer_topk(const CpuContext& ctx, const TensorView& idx_q, const TensorView& idx_w,
-                  const IndexerArgs& layout, int k, const TensorView& out);
+                    int64_t row_end, const TensorView& logits, const IndexerLogitsOptions& options);
 // indexer/topk.cc
 void topk(const CpuContext& ctx, const TensorView& logits, const TensorView& ctx_len, int k,
           const TensorView& out);

@@ -9,14 +9,12 @@
 
 #include "dsakit/error.h"
 #include "src/core/validate.h"
+#include "src/cuda/attention/attention_ops.h"
 #include "src/cuda/attention/merge_kernels.h"
 #include "src/cuda/common/check.h"
 #include "src/cuda/gemm/projections.h"
 #include "src/cuda/indexer/indexer_kernels.h"
 #include "src/cuda/pool/kv_pool_kernels.h"
-
-// The attention kernels (sparse MLA, dense MHA) live in src/cuda/sm90 and src/cuda/attention.
-#include "src/cuda/attention/attention_ops.h"
 
 namespace dsakit {
 namespace cuda {
@@ -26,18 +24,6 @@ namespace {
 constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation on sm_90
 
 int64_t to_i64(size_t v) {
-  return int64_t(v);
-}
-
-// The indexer's per-chunk scratch bound: DSAKIT_INDEXER_WORKSPACE_BYTES (the CPU backend reads
-// the same variable) overrides the option.
-int64_t indexer_chunk_bytes(const CudaBackendOptions& options) {
-  constexpr const char* kEnv = "DSAKIT_INDEXER_WORKSPACE_BYTES";
-  const char* s = std::getenv(kEnv);
-  if (s == nullptr || *s == 0) return to_i64(options.indexer_chunk_bytes);
-  char* end = nullptr;
-  const long long v = std::strtoll(s, &end, 10);
-  DSAKIT_CHECK_ARG(*end == 0 && v > 0, kEnv, ": expected a positive byte count, got '", s, "'");
   return int64_t(v);
 }
 
@@ -51,15 +37,21 @@ IndexerKernel indexer_kernel(const CudaBackendOptions& options) {
   return v == "tc" ? IndexerKernel::kTensorCore : IndexerKernel::kScalar;
 }
 
-}  // namespace
+// The sparse MLA kernel to run: DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides the
+// option.
+SparseMlaKernel sparse_mla_kernel(const CudaBackendOptions& options) {
+  constexpr const char* kEnv = "DSAKIT_SPARSE_MLA_KERNEL";
+  const char* s = std::getenv(kEnv);
+  if (s == nullptr || *s == 0) return options.sparse_mla_kernel;
+  const std::string v = s;
+  DSAKIT_CHECK_ARG(v == "auto" || v == "sm80" || v == "sm90", kEnv,
+                   ": expected 'auto', 'sm80' or 'sm90', got '", v, "'");
+  return v == "sm80"   ? SparseMlaKernel::kMmaSync
+         : v == "sm90" ? SparseMlaKernel::kWgmma
+                       : SparseMlaKernel::kAuto;
+}
 
-// Host copy of a device i32 index tensor, or nothing when value checks are off.
-struct CudaBackend::HostIndices {
-  std::vector<int32_t> values;
-  bool present = false;
-  const int32_t* get() const { return present ? values.data() : nullptr; }
-  int32_t operator[](int64_t i) const { return values[size_t(i)]; }
-};
+}  // namespace
 
 struct CudaBackend::ProjectionOperands {
   cudaDataType operand_type = CUDA_R_16BF;
@@ -134,20 +126,21 @@ MemoryStats CudaBackend::memory_stats() const {
   return stats;
 }
 
-CudaBackend::HostIndices CudaBackend::host_indices(const TensorView& t) const {
-  HostIndices h;
+Backend::HostIndexValues CudaBackend::host_index_values(const TensorView& t) const {
+  if (t.device != Device::kCuda) return Backend::host_index_values(t);
+  HostIndexValues h;
   // A view that is not a contiguous device i32 tensor is left to the shape checks to reject.
-  if (!options_.host_value_checks || t.device != Device::kCuda || t.dtype != DType::kI32 ||
-      !t.is_contiguous() || (t.data == nullptr && t.numel() != 0))
+  if (!options_.host_value_checks || t.dtype != DType::kI32 || !t.is_contiguous() ||
+      (t.data == nullptr && t.numel() != 0) || stream_is_capturing(stream_))
     return h;
-  if (stream_is_capturing(stream_)) return h;
-  h.values.resize(size_t(t.numel()));
+  activate();
+  h.copy.resize(size_t(t.numel()));
   if (t.numel() > 0) {
     DSAKIT_CUDA_CHECK(
-        cudaMemcpyAsync(h.values.data(), t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
+        cudaMemcpyAsync(h.copy.data(), t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
     DSAKIT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
-  h.present = true;
+  h.data = h.copy.data();
   return h;
 }
 
@@ -233,25 +226,15 @@ double CudaBackend::time_ms(const std::function<void()>& fn) {
 
 Backend::Ceilings CudaBackend::measure_ceilings() {
   activate();
-  // Median of 10 timed runs after 2 warm-ups, CUDA events on the backend's stream.
-  auto median_ms = [&](const auto& fn) {
-    cudaEvent_t a, b;
-    DSAKIT_CUDA_CHECK(cudaEventCreate(&a));
-    DSAKIT_CUDA_CHECK(cudaEventCreate(&b));
-    std::vector<float> ms;
+  // Median of 10 runs after 2 warm-ups, each timed by time_ms (CUDA events on the stream).
+  auto median_ms = [&](const std::function<void()>& fn) {
+    std::vector<double> ms;
     for (int i = 0; i < 12; ++i) {
-      DSAKIT_CUDA_CHECK(cudaEventRecord(a, stream_));
-      fn();
-      DSAKIT_CUDA_CHECK(cudaEventRecord(b, stream_));
-      DSAKIT_CUDA_CHECK(cudaEventSynchronize(b));
-      float t = 0;
-      DSAKIT_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+      const double t = time_ms(fn);
       if (i >= 2) ms.push_back(t);
     }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
     std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
-    return double(ms[ms.size() / 2]);
+    return ms[ms.size() / 2];
   };
   Ceilings c;
   const int64_t bytes = int64_t(1) << 30;
@@ -286,8 +269,8 @@ Backend::Ceilings CudaBackend::measure_ceilings() {
 void CudaBackend::store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                            const TensorView& k_pe) {
   activate();
-  const HostIndices host_locs = host_indices(locs);
-  validate::store_kv(pool, locs, c_kv, k_pe, Device::kCuda, host_locs.get());
+  const HostIndexValues host_locs = host_index_values(locs);
+  validate::store_kv(pool, locs, c_kv, k_pe, Device::kCuda, host_locs.data);
   const KvPoolDesc& d = pool.desc();
   const StoreKvParams p{locs.ptr<const int32_t>(),
                         c_kv.ptr<const bf16_t>(),
@@ -304,8 +287,8 @@ void CudaBackend::store_kv(PagedKvPool& pool, const TensorView& locs, const Tens
 void CudaBackend::gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                             const TensorView& k_pe) {
   activate();
-  const HostIndices host_locs = host_indices(locs);
-  validate::gather_kv(pool, locs, c_kv, k_pe, Device::kCuda, host_locs.get());
+  const HostIndexValues host_locs = host_index_values(locs);
+  validate::gather_kv(pool, locs, c_kv, k_pe, Device::kCuda, host_locs.data);
   const KvPoolDesc& d = pool.desc();
   const GatherKvParams p{locs.ptr<const int32_t>(),
                          pool.storage().ptr<const uint8_t>(),
@@ -323,8 +306,8 @@ void CudaBackend::gather_kv(const PagedKvPool& pool, const TensorView& locs, con
 void CudaBackend::store_index_keys(IndexKeyPool& pool, const TensorView& locs,
                                    const TensorView& idx_k) {
   activate();
-  const HostIndices host_locs = host_indices(locs);
-  validate::store_index_keys(pool, locs, idx_k, Device::kCuda, host_locs.get());
+  const HostIndexValues host_locs = host_index_values(locs);
+  validate::store_index_keys(pool, locs, idx_k, Device::kCuda, host_locs.data);
   const IndexKeyPoolDesc& d = pool.desc();
   const StoreIndexKeysParams p{locs.ptr<const int32_t>(),
                                idx_k.ptr<const bf16_t>(),
@@ -397,16 +380,13 @@ void CudaBackend::indexer_quantize_q(const TensorView& idx_q, const TensorView& 
 }
 
 void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_t row_end,
-                                 const TensorView& logits) {
+                                 const TensorView& logits, const IndexerLogitsOptions& options) {
   activate();
-  const HostIndices kv_locs = host_indices(a.kv_locs), kv_start = host_indices(a.kv_start),
-                    ctx_len = host_indices(a.ctx_len);
-  validate::indexer_args(a, Device::kCuda, kv_locs.get(), kv_start.get(), ctx_len.get());
-  int64_t rows_max_ctx = 0;  // 0 when value checks are off: the kernel clamps to the width
-  if (ctx_len.present)
-    for (int64_t t = std::max<int64_t>(row_begin, 0); t < row_end && t < a.ctx_len.numel(); ++t)
-      rows_max_ctx = std::max<int64_t>(rows_max_ctx, ctx_len[t]);
-  validate::indexer_logits_out(a, row_begin, row_end, logits, rows_max_ctx, Device::kCuda);
+  const HostIndexValues kv_locs = host_index_values(a.kv_locs),
+                        kv_start = host_index_values(a.kv_start),
+                        ctx_len = host_index_values(a.ctx_len);
+  validate::indexer_args(a, Device::kCuda, kv_locs.data, kv_start.data, ctx_len.data);
+  validate::indexer_logits_out(a, row_begin, row_end, logits, Device::kCuda, ctx_len.data);
   const IndexerKernel kernel = choose_logits_kernel(indexer_kernel(options_), int(a.q8.shape[1]),
                                                     a.keys->desc().d_i, device_);
   IndexerLogitsParams p = logits_params(a);
@@ -414,98 +394,30 @@ void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_
   p.row_begin = row_begin;
   p.row_end = row_end;
   p.width = logits.shape[1];
+  p.skip_ctx_at_most = options.skip_ctx_at_most;
+  p.fill_masked = options.fill_masked;
   DSAKIT_CUDA_CHECK(launch_logits(kernel, p, stream_));
 }
 
 void CudaBackend::topk(const TensorView& logits, const TensorView& ctx_len, int k,
                        const TensorView& out) {
   activate();
-  const HostIndices host_ctx = host_indices(ctx_len);
-  validate::topk(logits, ctx_len, k, out, Device::kCuda, host_ctx.get());
+  const HostIndexValues host_ctx = host_index_values(ctx_len);
+  validate::topk(logits, ctx_len, k, out, Device::kCuda, host_ctx.data);
   const TopkParams p{logits.ptr<const float>(), ctx_len.ptr<const int32_t>(),
                      out.ptr<int32_t>(),        logits.shape[0],
                      logits.shape[1],           k};
   DSAKIT_CUDA_CHECK(launch_topk(p, stream_));
 }
 
-void CudaBackend::indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
-                               const IndexerArgs& layout, int k, const TensorView& out) {
-  activate();
-  const HostIndices kv_locs = host_indices(layout.kv_locs),
-                    kv_start = host_indices(layout.kv_start),
-                    ctx_len = host_indices(layout.ctx_len);
-  validate::indexer_topk(idx_q, idx_w, layout, k, out, Device::kCuda, kv_locs.get(), kv_start.get(),
-                         ctx_len.get());
-  const int64_t tokens = idx_q.shape[0], h_i = idx_q.shape[1], d_i = idx_q.shape[2];
-  const IndexerKernel kernel =
-      choose_logits_kernel(indexer_kernel(options_), int(h_i), int(d_i), device_);
-  if (tokens == 0) return;
-
-  // n = min(ctx_len, width) <= width for every row (top-k clamps to it), so when the whole kv
-  // range fits in k every row is the identity: no query quantization, no logits, the top-k
-  // kernel alone (it never reads logits for such rows). Decided by shapes, like the plan below.
-  if (layout.kv_locs.numel() <= k) {
-    const TopkParams tp{nullptr, layout.ctx_len.ptr<const int32_t>(),          out.ptr<int32_t>(),
-                        tokens,  std::max<int64_t>(layout.kv_locs.numel(), 1), k};
-    DSAKIT_CUDA_CHECK(launch_topk(tp, stream_));
-    return;
-  }
-
-  // The plan depends on shapes only (never on ctx_len values), so an eager run and a captured
-  // graph of the same shapes use the same workspace. Width: every row's context fits in
-  // kv_locs (kv_start + ctx_len <= N_kv). Rows run in chunks bounded by indexer_chunk_bytes.
-  const int64_t width = std::max<int64_t>(layout.kv_locs.numel(), 1);
-  const int64_t row_bytes = h_i * d_i + 4 * h_i + 4 * width;  // q8 + gate + logits row
-  const int64_t chunk_rows =
-      std::clamp<int64_t>(indexer_chunk_bytes(options_) / row_bytes, 1, tokens);
-  uint8_t* q8 = nullptr;
-  float *gate = nullptr, *logits = nullptr;
-  auto carve = [&](WorkspaceCarver& c) {
-    q8 = c.take<uint8_t>(chunk_rows * h_i * d_i);
-    gate = c.take<float>(chunk_rows * h_i);
-    logits = c.take<float>(chunk_rows * width);
-  };
-  WorkspaceCarver sizing(nullptr);
-  carve(sizing);
-  WorkspaceCarver slices(workspace_.ensure(sizing.bytes(), stream_));
-  carve(slices);
-
-  for (int64_t r0 = 0; r0 < tokens; r0 += chunk_rows) {
-    const int64_t rows = std::min(chunk_rows, tokens - r0);
-    // The chunk is a batch of its own: row i is token r0 + i.
-    const QuantizeQParams qp{idx_q.ptr<const bf16_t>() + r0 * h_i * d_i,
-                             idx_w.ptr<const float>() + r0 * h_i,
-                             q8,
-                             gate,
-                             rows * h_i,
-                             int(d_i),
-                             indexer_head_scale(h_i, d_i)};
-    DSAKIT_CUDA_CHECK(launch_indexer_quantize_q(qp, stream_));
-    IndexerArgs chunk = layout;  // q8 / gate: this chunk's, set below
-    chunk.q8 = make_view(q8, DType::kU8, Device::kCuda, {rows, h_i, d_i});
-    IndexerLogitsParams lp = logits_params(chunk);
-    lp.gate = gate;
-    lp.kv_start = layout.kv_start.ptr<const int32_t>() + r0;
-    lp.ctx_len = layout.ctx_len.ptr<const int32_t>() + r0;
-    lp.logits = logits;
-    lp.row_begin = 0;
-    lp.row_end = rows;
-    lp.width = width;
-    lp.skip_ctx_at_most = k;  // identity shortcut: top-k writes 0 … ctx-1 without logits
-    lp.fill_masked = false;   // top-k reads only [0, ctx_len)
-    DSAKIT_CUDA_CHECK(launch_logits(kernel, lp, stream_));
-    const TopkParams tp{logits, lp.ctx_len, out.ptr<int32_t>() + r0 * k, rows, width, k};
-    DSAKIT_CUDA_CHECK(launch_topk(tp, stream_));
-  }
-}
-
 void CudaBackend::positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
                                          const TensorView& kv_start, const TensorView& ctx_len,
                                          const TensorView& out) {
   activate();
-  const HostIndices host_start = host_indices(kv_start), host_ctx = host_indices(ctx_len);
+  const HostIndexValues host_start = host_index_values(kv_start),
+                        host_ctx = host_index_values(ctx_len);
   validate::positions_to_locations(positions, kv_locs, kv_start, ctx_len, out, Device::kCuda,
-                                   host_start.get(), host_ctx.get());
+                                   host_start.data, host_ctx.data);
   const PositionsToLocationsParams p{positions.ptr<const int32_t>(),
                                      kv_locs.ptr<const int32_t>(),
                                      kv_start.ptr<const int32_t>(),
@@ -614,7 +526,12 @@ void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj
 void CudaBackend::sparse_mla(const SparseMlaArgs& args) {
   activate();
   validate::sparse_mla(args, Device::kCuda);
-  cuda_sparse_mla(args, stream_);
+  cuda_sparse_mla(args, stream_, sparse_mla_kernel(options_));
+}
+
+int64_t CudaBackend::dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope,
+                                             int d_v) const {
+  return cuda_dense_mha_scratch_bytes(num_kv, num_heads, d_nope, d_v, sm_count_);
 }
 
 void CudaBackend::dense_mha(const DenseMhaArgs& args) {

@@ -1,8 +1,9 @@
-// The CUDA backend (DESIGN.md §7): dsakit::Backend on one sm_90 device and one stream.
+// The CUDA backend (docs/cuda.md): dsakit::Backend on one sm_90 device and one stream.
 // Each op validates its arguments with the checks every backend shares (src/core/validate.h),
-// then launches kernels from common/, pool/, indexer/, gemm/ and attention/; those know nothing
-// of the dsakit API. Device memory: DeviceArena (empty()) and Workspace (op scratch), see
-// common/workspace.h. docs/cuda.md describes kernels, workspace and graph capture.
+// then launches kernels from common/, pool/, indexer/, gemm/ and attention/ (which dispatches to
+// the kernel folders sm80/ and sm90/); those know nothing of the dsakit API. Device memory:
+// DeviceArena (empty()) and Workspace (op scratch), see common/workspace.h. docs/cuda.md
+// describes kernels, workspace and graph capture.
 #pragma once
 
 #include <cublas_v2.h>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "dsakit/backend.h"
+#include "src/cuda/attention/attention_ops.h"
 #include "src/cuda/common/workspace.h"
 
 namespace dsakit::cuda {
@@ -30,13 +32,12 @@ struct CudaBackendOptions {
   // devices are checked; kernels still bound-check every index they read (out-of-range
   // locations are skipped by stores and gather as zeros).
   bool host_value_checks = true;
-  // Largest scratch indexer_topk spends per chunk of rows (FP8 queries, gates, logits); a longer
-  // batch runs in several chunks. 256 MiB: a 64K-token prompt uses ~1K-row chunks.
-  // The environment variable DSAKIT_INDEXER_WORKSPACE_BYTES overrides it (as on the CPU).
-  size_t indexer_chunk_bytes = size_t(256) << 20;
-  // Tensor cores by default: on the H200 they match the scalar kernel to rel-L2 1.2e-7 with no
-  // top-k change, 9.4x faster (docs/perf.md). DSAKIT_INDEXER_KERNEL (scalar | tc) overrides it.
+  // Tensor cores by default (agreement with the scalar kernel and speed: docs/perf.md).
+  // DSAKIT_INDEXER_KERNEL (scalar | tc) overrides it.
   IndexerKernel indexer_kernel = IndexerKernel::kTensorCore;
+  // The sparse MLA kernel: kAuto chooses per call (sparse_mla_kernel_for); the environment
+  // variable DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides it.
+  SparseMlaKernel sparse_mla_kernel = SparseMlaKernel::kAuto;
 };
 
 class CudaBackend final : public Backend {
@@ -60,6 +61,9 @@ class CudaBackend final : public Backend {
     options_.host_value_checks = on;
     return previous;
   }
+  HostIndexValues host_index_values(const TensorView& t) const override;
+  int64_t dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope,
+                                  int d_v) const override;
 
   void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                 const TensorView& k_pe) override;
@@ -71,11 +75,9 @@ class CudaBackend final : public Backend {
   void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const TensorView& q8,
                           const TensorView& gate) override;
   void indexer_logits(const IndexerArgs& args, int64_t row_begin, int64_t row_end,
-                      const TensorView& logits) override;
+                      const TensorView& logits, const IndexerLogitsOptions& options) override;
   void topk(const TensorView& logits, const TensorView& ctx_len, int k,
             const TensorView& out) override;
-  void indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
-                    int k, const TensorView& out) override;
 
   void absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj, int d_v,
                 const TensorView& q_abs) override;
@@ -101,11 +103,9 @@ class CudaBackend final : public Backend {
   MemoryStats memory_stats() const;
 
  private:
-  struct HostIndices;
   struct ProjectionOperands;
 
   void activate() const;  // makes this backend's device current on the calling thread
-  HostIndices host_indices(const TensorView& t) const;
   ProjectionOperands prepare_projection(const TensorView& act, const TensorView& w,
                                         std::initializer_list<const TensorView*> outs);
   void finish_projection(const ProjectionOperands& ops,

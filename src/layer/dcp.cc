@@ -6,6 +6,7 @@
 
 #include "dsakit/driver.h"
 #include "dsakit/error.h"
+#include "src/layer/page_tables.h"
 #include "src/layer/paths.h"
 
 namespace dsakit {

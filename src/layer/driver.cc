@@ -1,10 +1,8 @@
 #include "dsakit/driver.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <numeric>
-#include <random>
 
 #include "dsakit/error.h"
 
@@ -19,16 +17,6 @@ int64_t TokenStore::offset(int r) const {
 }
 
 namespace {
-
-void fill_normal(Tensor& t, std::mt19937_64& gen, float stddev) {
-  std::normal_distribution<float> dist(0.f, stddev);
-  const int64_t n = t.numel();
-  if (t.dtype() == DType::kBF16) {
-    for (int64_t i = 0; i < n; ++i) t.ptr<bf16_t>()[i] = f32_to_bf16(dist(gen));
-  } else {
-    for (int64_t i = 0; i < n; ++i) t.ptr<float>()[i] = dist(gen);
-  }
-}
 
 Tensor gather_rows(Backend& be, const Tensor& src, const std::vector<int64_t>& rows) {
   const TensorView& v = src.view();
@@ -46,29 +34,6 @@ Tensor gather_rows(Backend& be, const Tensor& src, const std::vector<int64_t>& r
 
 }  // namespace
 
-TokenStore TokenStore::random(const ModelConfig& c, const std::vector<int32_t>& lengths,
-                              uint64_t seed) {
-  TokenStore s;
-  s.lengths = lengths;
-  const int64_t n = s.rows();
-  std::mt19937_64 gen(seed);
-  s.q_nope = Tensor::host(DType::kBF16, {n, c.num_heads, c.qk_nope_head_dim});
-  s.q_pe = Tensor::host(DType::kBF16, {n, c.num_heads, c.qk_rope_head_dim});
-  s.c_kv = Tensor::host(DType::kBF16, {n, c.kv_lora_rank});
-  s.k_pe = Tensor::host(DType::kBF16, {n, c.qk_rope_head_dim});
-  s.idx_q = Tensor::host(DType::kBF16, {n, c.index_n_heads, c.index_head_dim});
-  s.idx_k = Tensor::host(DType::kBF16, {n, c.index_head_dim});
-  s.idx_w = Tensor::host(DType::kF32, {n, c.index_n_heads});
-  fill_normal(s.q_nope, gen, 1.0f);
-  fill_normal(s.q_pe, gen, 1.0f);
-  fill_normal(s.c_kv, gen, 1.0f);
-  fill_normal(s.k_pe, gen, 1.0f);
-  fill_normal(s.idx_q, gen, 1.0f);
-  fill_normal(s.idx_k, gen, 1.0f);
-  fill_normal(s.idx_w, gen, 1.0f);
-  return s;
-}
-
 LayerInputs TokenStore::DeviceInputs::view() const {
   return {q_nope.view(), q_pe.view(),  c_kv.view(), k_pe.view(),
           idx_q.view(),  idx_k.view(), idx_w.view()};
@@ -78,35 +43,6 @@ TokenStore::DeviceInputs TokenStore::slice(Backend& be, const std::vector<int64_
   return {gather_rows(be, q_nope, rows), gather_rows(be, q_pe, rows),  gather_rows(be, c_kv, rows),
           gather_rows(be, k_pe, rows),   gather_rows(be, idx_q, rows), gather_rows(be, idx_k, rows),
           gather_rows(be, idx_w, rows)};
-}
-
-Tensor random_kv_b_proj(const ModelConfig& c, uint64_t seed) {
-  Tensor w = Tensor::host(
-      DType::kBF16, {int64_t(c.num_heads) * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank});
-  std::mt19937_64 gen(seed);
-  fill_normal(w, gen, 1.0f / std::sqrt(float(c.kv_lora_rank)));
-  return w;
-}
-
-std::vector<std::vector<int32_t>> allocate_pages(const std::vector<int32_t>& lengths, int page_size,
-                                                 int64_t num_pages, uint64_t seed) {
-  DSAKIT_CHECK_ARG(page_size >= 1, "page_size: expected >= 1, got ", page_size);
-  int64_t needed = 0;
-  for (int32_t l : lengths) needed += (int64_t(l) + page_size - 1) / page_size;
-  DSAKIT_CHECK(needed <= num_pages, kResource, "the requests need ", needed, " pages of ",
-               page_size, " tokens but the pool has ", num_pages);
-  std::vector<int32_t> ids(static_cast<size_t>(num_pages));
-  std::iota(ids.begin(), ids.end(), 0);
-  std::mt19937_64 gen(seed);
-  std::shuffle(ids.begin(), ids.end(), gen);
-  std::vector<std::vector<int32_t>> tables(lengths.size());
-  size_t next = 0;
-  for (size_t r = 0; r < lengths.size(); ++r) {
-    const int64_t pages = (int64_t(lengths[r]) + page_size - 1) / page_size;
-    tables[r].assign(ids.begin() + int64_t(next), ids.begin() + int64_t(next) + pages);
-    next += size_t(pages);
-  }
-  return tables;
 }
 
 void run_schedule(DsaAttention& layer, const std::vector<std::vector<int32_t>>& page_tables,

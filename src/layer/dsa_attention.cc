@@ -1,4 +1,5 @@
-// The layer call: validate -> store -> plan -> dense MHA or sparse MLA -> outputs.
+// The layer call: validate -> plan -> store -> dense MHA, sparse MLA, or each segment of a mixed
+// plan through its own path -> outputs.
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
@@ -10,9 +11,6 @@
 namespace dsakit {
 
 namespace {
-
-// Bound on the indexer's row-block buffers (the backends' default indexer workspace).
-constexpr int64_t kIndexerBlockBytes = int64_t(256) << 20;
 
 // The index arrays of one BatchIndex on the device (detail::DeviceBatchIndex): new_locs,
 // kv_start, ctx_len [T], kv_locs [N], cu_q, cu_kv [B+1].
@@ -105,20 +103,20 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
   // Outputs o, lse; the index arrays.
   int64_t bytes = t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h +
                   index_bytes(batch);
+  const Backend& be = backend_;
   if (path == AttentionPath::kDenseMha) {
-    // c_kv, k_pe of every position; k_nope, v up-projected per head; a backend's split-KV
-    // partials, which the CUDA schedule keeps within the size of bf16 K/V (an upper bound).
+    // c_kv, k_pe of every position; k_nope, v up-projected per head; the kernel's scratch.
     bytes += mid * n * (c.kv_lora_rank + c.qk_rope_head_dim) +
-             (mid + 2) * n * h * (c.qk_nope_head_dim + c.v_head_dim);
+             mid * n * h * (c.qk_nope_head_dim + c.v_head_dim) +
+             be.dense_mha_scratch_bytes(n, h, c.qk_nope_head_dim, c.v_head_dim);
     return bytes;
   }
-  // Top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c].
+  // Top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c]; the indexer's blocks.
   const int64_t k = c.index_topk;
-  bytes += 8 * t * k + 2 * mid * t * h * c.kv_lora_rank;
-  // Indexer row blocks: q8, gate, per-row offsets, logits over the longest context, selection.
-  const int64_t row = int64_t(c.index_n_heads) * (c.index_head_dim + 4) + 8 +
-                      4 * int64_t(batch.max_kv_len()) + 4 * k;
-  bytes += std::max(row, std::min(row * t, kIndexerBlockBytes));
+  bytes += 8 * t * k + 2 * mid * t * h * c.kv_lora_rank +
+           IndexerBlocks::plan(t, c.index_n_heads, c.index_head_dim, n, c.index_topk,
+                               indexer_block_bytes())
+               .bytes;
   return bytes;
 }
 
@@ -144,40 +142,26 @@ void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi,
                             const detail::DeviceBatchIndex& dev, const LayerInputs& in,
                             const TensorView& o, const TensorView& lse, const TensorView& topk,
                             const detail::StageFn& stage) {
-  const auto& c = config_;
-  Backend& be = backend_;
-  const TensorView& kv_locs = dev.kv_locs;
-  if (path == AttentionPath::kDenseMha) {
-    // Dense MHA re-reads every position (prefix included) through the pool format; where that
-    // format returns the inputs bit for bit (bf16 pool, no prefix) it reads the inputs.
-    detail::KvRows stored;
-    if (detail::pool_rows_are_inputs(be, kv_pool_, bi.cu_q, bi.cu_kv)) stored = {in.c_kv, in.k_pe};
-    detail::dense_path(be, c, sm_scale_, kv_pool_, kv_locs, in.q_nope, in.q_pe, kv_b_proj_, bi.cu_q,
-                       bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, {}, o, lse, stage, stored);
-    return;
+  switch (path) {
+    case AttentionPath::kDenseMha: {
+      // Dense MHA re-reads every position (prefix included) through the pool format; where that
+      // format returns the inputs bit for bit (bf16 pool, no prefix) it reads the inputs.
+      detail::KvRows stored;
+      if (detail::pool_rows_are_inputs(backend_, kv_pool_, bi.cu_q, bi.cu_kv))
+        stored = {in.c_kv, in.k_pe};
+      detail::dense_path(backend_, config_, sm_scale_, kv_pool_, dev.kv_locs, in.q_nope, in.q_pe,
+                         kv_b_proj_, bi.cu_q, bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, {}, o, lse,
+                         stage, stored);
+      return;
+    }
+    case AttentionPath::kSparseMla:
+      detail::sparse_path(backend_, config_, sm_scale_, kv_pool_, index_pool_, dev, in, kv_b_proj_,
+                          o, lse, topk, stage);
+      return;
+    case AttentionPath::kMixed:
+      break;
   }
-  // ---- sparse MLA: indexer -> top-k -> absorbed attention -> V up-projection --------------
-  const int64_t t = in.q_nope.shape[0], h = c.num_heads;
-  const int k = c.index_topk;
-  const DType mid = be.capabilities().intermediate_dtype;
-  const TensorView &kv_start = dev.kv_start, &ctx_len = dev.ctx_len;
-  IndexerArgs layout;
-  layout.keys = &index_pool_;
-  layout.kv_locs = kv_locs;
-  layout.kv_start = kv_start;
-  layout.ctx_len = ctx_len;
-  stage("indexer_topk", [&] { be.indexer_topk(in.idx_q, in.idx_w, layout, k, topk); });
-  Tensor locs = be.empty(DType::kI32, {t, k});
-  stage("topk_to_locations",
-        [&] { be.positions_to_locations(topk, kv_locs, kv_start, ctx_len, locs); });
-  Tensor q_abs = be.empty(mid, {t, h, c.kv_lora_rank});
-  stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj_, c.v_head_dim, q_abs); });
-  Tensor o_lat = be.empty(mid, {t, h, c.kv_lora_rank});
-  // The indexer's rows hold min(ctx_len, k) valid slots first (ascending, -1 padded): ctx_len as
-  // topk_length stops each token there instead of scanning all k slots (the kernels clamp to k).
-  detail::sparse_attention(be, sm_scale_, kv_pool_, q_abs, in.q_pe, locs, o_lat, lse, stage,
-                           ctx_len);
-  stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj_, c.qk_nope_head_dim, o); });
+  DSAKIT_FAIL(kInternal, "run_path: a mixed plan runs each segment through its own path");
 }
 
 LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {

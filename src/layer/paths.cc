@@ -96,6 +96,31 @@ bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
          cu_q == cu_kv;
 }
 
+void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& kv_pool,
+                 const IndexKeyPool& index_pool, const DeviceBatchIndex& dev, const LayerInputs& in,
+                 const TensorView& kv_b_proj, const TensorView& o, const TensorView& lse,
+                 const TensorView& topk, const StageFn& stage) {
+  const int64_t t = in.q_nope.shape[0], h = c.num_heads;
+  const int k = c.index_topk;
+  const DType mid = be.capabilities().intermediate_dtype;
+  IndexerArgs layout;
+  layout.keys = &index_pool;
+  layout.kv_locs = dev.kv_locs;
+  layout.kv_start = dev.kv_start;
+  layout.ctx_len = dev.ctx_len;
+  stage("indexer_topk", [&] { be.indexer_topk(in.idx_q, in.idx_w, layout, k, topk); });
+  Tensor locs = be.empty(DType::kI32, {t, k});
+  stage("topk_to_locations",
+        [&] { be.positions_to_locations(topk, dev.kv_locs, dev.kv_start, dev.ctx_len, locs); });
+  Tensor q_abs = be.empty(mid, {t, h, c.kv_lora_rank});
+  stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj, c.v_head_dim, q_abs); });
+  Tensor o_lat = be.empty(mid, {t, h, c.kv_lora_rank});
+  // The indexer's rows hold min(ctx_len, k) valid slots first (ascending, -1 padded): ctx_len as
+  // topk_length stops each token there instead of scanning all k slots (the kernels clamp to k).
+  sparse_attention(be, sm_scale, kv_pool, q_abs, in.q_pe, locs, o_lat, lse, stage, dev.ctx_len);
+  stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj, c.qk_nope_head_dim, o); });
+}
+
 void sparse_attention(Backend& be, double sm_scale, const PagedKvPool& pool,
                       const TensorView& q_abs, const TensorView& q_pe, const TensorView& indices,
                       const TensorView& o_lat, const TensorView& lse, const StageFn& stage,

@@ -1,6 +1,7 @@
-// The attention half of each path over a pool, shared by DsaAttention (one rank) and
-// DcpSimulation (one call per rank): the same gather → up-projection → dense MHA chain, and the
-// same absorbed sparse attention, so the two drivers cannot drift apart.
+// The two paths over a pool, shared by DsaAttention (one rank) and DcpSimulation (one call per
+// rank): the same gather → up-projection → dense MHA chain and the same absorbed sparse
+// attention, so the two drivers cannot drift apart. DsaAttention runs whole paths (dense_path,
+// sparse_path); DcpSimulation composes the attention halves with its own top-k merge.
 #pragma once
 
 #include <functional>
@@ -9,6 +10,7 @@
 #include "dsakit/backend.h"
 #include "dsakit/batch.h"
 #include "dsakit/config.h"
+#include "dsakit/layer.h"
 
 namespace dsakit::detail {
 
@@ -64,6 +66,15 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
 // the pool stores bf16 as given (no quantization), and the backend's intermediates are bf16.
 bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
                           const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_kv);
+
+// Sparse MLA of the T new tokens `dev` indexes: the indexer's top-k positions (into topk i32
+// [T, index_topk], ascending, -1 padded), positions -> pool locations, q absorption, absorbed
+// sparse attention over the selected rows (each token stopping at its context length), and the V
+// up-projection into o [T, H, d_v]; lse [T, H]. Inputs: the layer's q_nope, q_pe, idx_q, idx_w.
+void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& kv_pool,
+                 const IndexKeyPool& index_pool, const DeviceBatchIndex& dev, const LayerInputs& in,
+                 const TensorView& kv_b_proj, const TensorView& o, const TensorView& lse,
+                 const TensorView& topk, const StageFn& stage);
 
 // Absorbed sparse attention over pool locations: o_lat [T, H, d_c] and lse [T, H] from
 // q_abs [T, H, d_c], q_pe [T, H, d_rope] and indices i32 [T, k] (pool locations, -1 skipped).

@@ -1,4 +1,4 @@
-// Rule mode of DESIGN.md §5: dense MHA iff all eight conditions hold; otherwise sparse MLA,
+// Rule mode (docs/dispatch.md): dense MHA iff all eight conditions hold; otherwise sparse MLA,
 // naming the first condition that failed.
 #include <algorithm>
 #include <array>
@@ -118,8 +118,8 @@ struct RuleCheck {
   std::string why;
 };
 
-// The eight conditions of §5 in order; the first one that fails decides. `why` is filled only
-// when asked (cost mode calls this on every plan and needs the rule number alone).
+// The eight conditions of rule mode (docs/dispatch.md), in order; the first that fails decides.
+// `why` is filled only when asked (cost mode calls this on every plan and needs the rule alone).
 RuleCheck check_rules(const Batch& b, const ModelConfig& c, KvLayout layout,
                       const Capabilities& caps, int64_t threshold, int64_t capacity,
                       bool explain = true) {

@@ -1,8 +1,8 @@
 #include "src/reference/layer_reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <map>
 #include <numeric>
 
@@ -145,39 +145,38 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
     }
     if (q.all_positions && s.bf16_intermediates) {
       // Dense path as the backend runs it: bf16 up-projected K/V per head.
+      // Keys are [k_nope of the head, bf16 k_pe], values the head's v, as doubles.
       const DenseKv& dk = dense.at(q.request);
+      const int dqk = dn + dr;
+      Vec qh(static_cast<size_t>(dqk)), keys(sel.size() * size_t(dqk)),
+          values(sel.size() * size_t(dv));
+      std::vector<const double*> key_rows(sel.size()), value_rows(sel.size());
+      for (size_t i = 0; i < sel.size(); ++i) {
+        key_rows[i] = keys.data() + i * size_t(dqk);
+        value_rows[i] = values.data() + i * size_t(dv);
+        for (int d = 0; d < dr; ++d)
+          keys[i * size_t(dqk) + size_t(dn + d)] = bf16_round(kv.kv[size_t(sel[i]) * dkv + dc + d]);
+      }
       for (int hh = 0; hh < h; ++hh) {
-        Vec sc(sel.size());
-        double mx = -std::numeric_limits<double>::infinity();
+        for (int d = 0; d < dn; ++d) qh[size_t(d)] = load_as_float(qn, (row * h + hh) * dn + d);
+        for (int d = 0; d < dr; ++d)
+          qh[size_t(dn + d)] = load_as_float(qp, (row * h + hh) * dr + d);
         for (size_t i = 0; i < sel.size(); ++i) {
-          const size_t base = (size_t(sel[i]) * h + hh);
-          double acc = 0;
-          for (int d = 0; d < dn; ++d)
-            acc += double(load_as_float(qn, (row * h + hh) * dn + d)) * dk.k_nope[base * dn + d];
-          for (int d = 0; d < dr; ++d)
-            acc += double(load_as_float(qp, (row * h + hh) * dr + d)) *
-                   bf16_round(kv.kv[size_t(sel[i]) * dkv + dc + d]);
-          sc[i] = acc * s.sm_scale;
-          mx = std::max(mx, sc[i]);
+          const size_t base = size_t(sel[i]) * h + hh;
+          std::copy_n(&dk.k_nope[base * dn], dn, keys.data() + i * size_t(dqk));
+          std::copy_n(&dk.v[base * dv], dv, values.data() + i * size_t(dv));
         }
-        double sum = 0;
-        Vec o(size_t(dv), 0.0);
-        for (size_t i = 0; i < sel.size(); ++i) {
-          const double e = std::exp(sc[i] - mx);
-          sum += e;
-          const float* vr = &dk.v[(size_t(sel[i]) * h + hh) * dv];
-          for (int d = 0; d < dv; ++d) o[size_t(d)] += e * vr[d];
-        }
-        out.lse[size_t(qi) * h + hh] =
-            sel.empty() ? std::numeric_limits<double>::infinity() : mx + std::log(sum);
-        for (int d = 0; d < dv; ++d)
-          out.o[(size_t(qi) * h + hh) * dv + d] = sel.empty() ? 0.0 : o[size_t(d)] / sum;
+        out.lse[size_t(qi) * h + hh] = attend_row(qh.data(), key_rows, value_rows, dqk, dv,
+                                                  s.sm_scale, &out.o[(size_t(qi) * h + hh) * dv])
+                                           .lse;
       }
       out.selected[size_t(qi)] = std::move(sel);
       continue;
     }
     // Absorbed attention over the selected rows, then V up-projection.
     const auto mid = [&](double x) { return s.bf16_intermediates ? bf16_round(x) : x; };
+    std::vector<const double*> rows(sel.size());  // keys: all d_c + d_rope values; values: d_c
+    for (size_t i = 0; i < sel.size(); ++i) rows[i] = &kv.kv[size_t(sel[i]) * dkv];
     for (int hh = 0; hh < h; ++hh) {
       Vec q576(size_t(dkv), 0.0);
       for (int j = 0; j < dn; ++j) {
@@ -188,26 +187,10 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
       for (int d = 0; d < dc; ++d) q576[size_t(d)] = mid(q576[size_t(d)]);
       for (int j = 0; j < dr; ++j)
         q576[size_t(dc + j)] = load_as_float(qp, (row * h + hh) * dr + j);
-      Vec sc(sel.size());
-      double mx = -std::numeric_limits<double>::infinity();
-      for (size_t i = 0; i < sel.size(); ++i) {
-        const double* kr = &kv.kv[size_t(sel[i]) * dkv];
-        double acc = 0;
-        for (int d = 0; d < dkv; ++d) acc += q576[size_t(d)] * kr[d];
-        sc[i] = acc * s.sm_scale;
-        mx = std::max(mx, sc[i]);
-      }
-      double sum = 0;
-      Vec olat(size_t(dc), 0.0);
-      for (size_t i = 0; i < sel.size(); ++i) {
-        const double e = std::exp(sc[i] - mx);
-        sum += e;
-        const double* kr = &kv.kv[size_t(sel[i]) * dkv];
-        for (int d = 0; d < dc; ++d) olat[size_t(d)] += e * kr[d];
-      }
+      Vec olat(static_cast<size_t>(dc));
       out.lse[size_t(qi) * h + hh] =
-          sel.empty() ? std::numeric_limits<double>::infinity() : mx + std::log(sum);
-      for (int d = 0; d < dc; ++d) olat[size_t(d)] = sel.empty() ? 0.0 : mid(olat[size_t(d)] / sum);
+          attend_row(q576.data(), rows, rows, dkv, dc, s.sm_scale, olat.data()).lse;
+      for (int d = 0; d < dc; ++d) olat[size_t(d)] = mid(olat[size_t(d)]);
       for (int j = 0; j < dv; ++j) {
         const double* wv = &w[(size_t(hh) * (dn + dv) + dn + j) * dc];
         double acc = 0;

@@ -1,6 +1,7 @@
 // float64 reference of whole layer outputs for chosen tokens, read back from pool snapshots
-// (DESIGN.md §3, §9): the KV a token attends to is decoded from the pool bytes by the
-// reference's own decoder, the top-k comes from the reference indexer over the index-key pool.
+// (docs/design.md#what-the-library-computes, docs/numerics.md): the KV a token attends to is
+// decoded from the pool bytes by the reference's own decoder, the top-k comes from the reference
+// indexer over the index-key pool.
 #pragma once
 
 #include <cstdint>

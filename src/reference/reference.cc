@@ -1,7 +1,7 @@
-// float64 reference (DESIGN.md §3, §4). Number formats are derived from their definitions
-// (sign, exponent and mantissa fields; neighbour search in double), not from formats.h's bit
-// manipulation, so the two implementations check each other. Loops are plain and ordered so
-// the innermost one walks contiguous memory.
+// float64 reference (docs/design.md#what-the-library-computes, docs/formats.md). Number formats are
+// derived from their definitions (sign, exponent and mantissa fields; neighbour search in double),
+// not from formats.h's bit manipulation, so the two implementations check each other. Loops are
+// plain and ordered so the innermost one walks contiguous memory.
 #include "src/reference/reference.h"
 
 #include <algorithm>
@@ -107,13 +107,8 @@ void per_head_matvec(const double* x, int64_t x_head_stride, int H, int n_rows, 
   }
 }
 
-// Softmax attention of one query row over a list of (key, value) rows; keys have d_qk values,
-// values d_v. Writes o [d_v] and returns {lse, max}. An empty list gives o = 0, lse = +inf,
-// max = -inf; a NaN score makes o, lse and max NaN, an infinite score makes o and lse NaN.
-struct RowStats {
-  double lse;
-  double max_logit;
-};
+}  // namespace
+
 RowStats attend_row(const double* q, const std::vector<const double*>& keys,
                     const std::vector<const double*>& values, int d_qk, int d_v, double sm_scale,
                     double* o) {
@@ -142,6 +137,8 @@ RowStats attend_row(const double* q, const std::vector<const double*>& keys,
   for (int d = 0; d < d_v; ++d) o[d] /= sum;
   return {m + std::log(sum), m};
 }
+
+namespace {
 
 Attention make_attention(int64_t T, int H, int d_v) {
   Attention a;

@@ -1,6 +1,7 @@
-// float64 reference of every step of the DSA layer (DESIGN.md §3, §4), written independently
-// of the optimized kernels: tests compare two implementations, never one with itself.
-// Used only by tests and `dsakit run --verify`; includes no backend.
+// float64 reference of every step of the DSA layer (docs/design.md#what-the-library-computes,
+// docs/formats.md), written independently of the optimized kernels: tests compare two
+// implementations, never one with itself. Used only by tests and `dsakit run --verify`; it
+// includes no backend.
 //
 // Arrays are row-major std::vector<double> (or bytes); shapes are given in the comments.
 // Inputs are the already-rounded values (bf16 / fp8-dequantized) as double.
@@ -34,7 +35,8 @@ std::vector<uint8_t> encode_kv_row(const KvRowLayout& row, const double* c_kv, c
 // The values a reader sees: c_kv [d_c], k_pe [d_rope].
 void decode_kv_row(const KvRowLayout& row, const uint8_t* bytes, double k_scale, double* c_kv,
                    double* k_pe);
-// Indexer FP8 quantization of one d-vector (DESIGN.md §3.2): e4m3 codes and the pow2 scale.
+// Indexer FP8 quantization of one d-vector: e4m3 codes and the power-of-two scale
+// (docs/formats.md#scale-rules).
 void indexer_quantize(const double* x, int d, uint8_t* codes, double* scale);
 
 // ---- indexer and top-k ------------------------------------------------------------------
@@ -60,6 +62,17 @@ void up_proj_kv(const Vec& c_kv, const Vec& w, int64_t N, int H, int d_nope, int
                 Vec& k_nope, Vec& v);
 
 // ---- attention --------------------------------------------------------------------------
+// Softmax attention of one query row over a list of (key, value) rows; keys have d_qk values,
+// values d_v. Writes o [d_v] and returns {lse, max}. An empty list gives o = 0, lse = +inf,
+// max = -inf; a NaN score makes o, lse and max NaN, an infinite score makes o and lse NaN.
+struct RowStats {
+  double lse;
+  double max_logit;
+};
+RowStats attend_row(const double* q, const std::vector<const double*>& keys,
+                    const std::vector<const double*>& values, int d_qk, int d_v, double sm_scale,
+                    double* o);
+
 struct Attention {
   Vec o;          // [T, H, d_v]
   Vec lse;        // [T, H] natural log; +inf for a query with no valid key (o = 0 there)

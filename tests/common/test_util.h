@@ -45,13 +45,14 @@ double max_abs_diff(const std::vector<double>& out, const std::vector<double>& r
 // FNV-1a 64 of a host tensor's bytes: pool checksums before/after rejected calls.
 uint64_t checksum(const TensorView& host);
 
-// Tolerances of DESIGN.md §9.
+// Tolerances of docs/numerics.md#tolerances.
 inline constexpr double kTolBf16 = 1e-2;
 inline constexpr double kTolF32 = 1e-5;
 inline constexpr double kTolFp8Pool = 3e-2;
 inline constexpr double kTolLse = 1e-3;
 
-// Directory holding ../shared/testdata/peers (env DSAKIT_PEERS_DIR overrides the build default).
+// Directory of the peer kernels' golden files: tests/data/peers (the CMake cache variable
+// DSAKIT_PEERS_DIR sets the build default; the environment variable of that name overrides it).
 std::string peers_dir();
 
 }  // namespace dsakit::testing

@@ -1,4 +1,4 @@
-// ModelConfig: presets (DESIGN.md §2), config.json parsing, validation messages, tensor
+// ModelConfig: presets (docs/config.md), config.json parsing, validation messages, tensor
 // parallelism and the to_json() round trip.
 #include <cmath>
 #include <cstdint>

@@ -394,7 +394,8 @@ TEST(SafetensorsMalformed, OverlappingTensors) {
                       4, {"overlap"});
 }
 
-// Found by fuzz_safetensors: an empty tensor name parsed, then the round trip's writer refused it.
+// An empty tensor name is refused on read because the writer refuses it: every accepted file
+// must survive a write/parse round trip (fuzz_safetensors' seed corpus holds this input).
 TEST(SafetensorsMalformed, EmptyTensorName) {
   expect_format_error(R"({"":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 16,
                       {"a tensor has an empty name"});

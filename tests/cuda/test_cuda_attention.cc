@@ -1,15 +1,18 @@
 // CUDA attention kernels (sparse MLA, dense MHA) through the Backend interface against the
 // float64 reference, on random data. Skipped without a GPU.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
-#include "src/cuda/sm90/prefill/dense_mha/dense_mha_schedule.h"
+#include "src/cuda/attention/dispatch.h"
+#include "src/cuda/sm80/prefill/dense_mha/dense_mha_schedule.h"
 #include "src/reference/reference.h"
 #include "tests/common/test_util.h"
 
@@ -162,33 +165,48 @@ class CudaSparseMla : public CudaAttention {
   }
 };
 
+// Each case runs on every compiled kernel with an instance for its layout (the mma.sync kernel
+// has all; the wgmma kernel's rows are in src/cuda/attention/instances.h), forced through
+// DSAKIT_SPARSE_MLA_KERNEL.
 TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
   const std::vector<SparseCase> cases = {
-      {KvLayout::kBf16, 5, 128, 100, false},      {KvLayout::kBf16, 3, 16, 1, false},
-      {KvLayout::kBf16, 3, 20, 2048, true},       {KvLayout::kFp8Scaled, 5, 128, 100, true},
-      {KvLayout::kFp8Scaled, 3, 16, 2048, false}, {KvLayout::kFp8Scaled, 4, 64, 1, false},
-      {KvLayout::kFp8Raw, 4, 128, 2048, false},   {KvLayout::kFp8Raw, 3, 16, 100, true},
-      {KvLayout::kFp8Raw, 2, 7, 65, false},
+      {KvLayout::kBf16, 5, 128, 100, false},     {KvLayout::kBf16, 3, 16, 1, false},
+      {KvLayout::kBf16, 3, 20, 2048, true},      {KvLayout::kBf16, 4, 64, 300, true},
+      {KvLayout::kBf16, 2, 128, 2048, false},    {KvLayout::kBf16, 3, 65, 129, true},
+      {KvLayout::kFp8Scaled, 5, 128, 100, true}, {KvLayout::kFp8Scaled, 3, 16, 2048, false},
+      {KvLayout::kFp8Scaled, 4, 64, 1, false},   {KvLayout::kFp8Scaled, 3, 64, 700, true},
+      {KvLayout::kFp8Raw, 4, 128, 2048, false},  {KvLayout::kFp8Raw, 3, 16, 100, true},
+      {KvLayout::kFp8Raw, 2, 7, 65, false},      {KvLayout::kFp8Raw, 3, 32, 256, true},
   };
-  for (const SparseCase& c : cases) {
-    const uint64_t seed = testing::fresh_seed();
-    SCOPED_TRACE(::testing::Message() << "seed " << seed << " layout " << to_string(c.layout)
-                                      << " T " << c.num_tokens << " H " << c.num_heads << " k "
-                                      << c.topk << " topk_length " << c.use_topk_length);
-    const SparseResult r = run(c, seed);
-    const double tol = c.layout == KvLayout::kBf16 ? testing::kTolBf16 : testing::kTolFp8Pool;
-    const double err = testing::rel_l2(r.o_lat, r.ref.o);
-    EXPECT_LE(err, tol) << "o_lat rel-L2";
-    EXPECT_LE(testing::max_abs_diff(r.lse, r.ref.lse), testing::kTolLse) << "lse";
-    // Token 1 has no valid slot: exactly 0 and +inf.
-    if (c.num_tokens > 1) {
-      const size_t h = size_t(c.num_heads);
-      for (size_t i = h * 512; i < 2 * h * 512; ++i)
-        ASSERT_EQ(r.o_lat[i], 0.0) << "o_lat[" << i << "]";
-      for (size_t i = h; i < 2 * h; ++i)
-        ASSERT_EQ(r.lse[i], std::numeric_limits<double>::infinity());
+  struct KernelScope {
+    explicit KernelScope(const char* name) { ::setenv("DSAKIT_SPARSE_MLA_KERNEL", name, 1); }
+    ~KernelScope() { ::unsetenv("DSAKIT_SPARSE_MLA_KERNEL"); }
+  };
+  for (const SparseCase& c : cases)
+    for (const char* kernel : {"sm80", "sm90"}) {
+      if (std::string(kernel) == "sm90" &&
+          !cuda::attention::dispatch_sparse_mla_sm90(c.layout, [](auto) {}))
+        continue;
+      const KernelScope scope(kernel);
+      const uint64_t seed = testing::fresh_seed();
+      SCOPED_TRACE(::testing::Message()
+                   << "seed " << seed << " kernel " << kernel << " layout " << to_string(c.layout)
+                   << " T " << c.num_tokens << " H " << c.num_heads << " k " << c.topk
+                   << " topk_length " << c.use_topk_length);
+      const SparseResult r = run(c, seed);
+      const double tol = c.layout == KvLayout::kBf16 ? testing::kTolBf16 : testing::kTolFp8Pool;
+      const double err = testing::rel_l2(r.o_lat, r.ref.o);
+      EXPECT_LE(err, tol) << "o_lat rel-L2";
+      EXPECT_LE(testing::max_abs_diff(r.lse, r.ref.lse), testing::kTolLse) << "lse";
+      // Token 1 has no valid slot: exactly 0 and +inf.
+      if (c.num_tokens > 1) {
+        const size_t h = size_t(c.num_heads);
+        for (size_t i = h * 512; i < 2 * h * 512; ++i)
+          ASSERT_EQ(r.o_lat[i], 0.0) << "o_lat[" << i << "]";
+        for (size_t i = h; i < 2 * h; ++i)
+          ASSERT_EQ(r.lse[i], std::numeric_limits<double>::infinity());
+      }
     }
-  }
 }
 
 TEST_F(CudaSparseMla, UnsupportedDtypeIsRejectedNamingTheArgument) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <iterator>
@@ -359,8 +360,11 @@ TEST_F(CudaBackendTest, IndexerTopkEqualsTopkOfItsLogitsInEveryChunking) {
   };
   const std::vector<int32_t> whole = run();
   for (size_t chunk : {size_t(1), size_t(3) * (h_i * 132 + 4 * (prefix + extend))}) {
-    cuda().options().indexer_chunk_bytes = chunk;  // one row, then three rows per chunk
-    EXPECT_EQ(run(), whole) << "chunk bytes " << chunk;
+    // One row, then three rows per block (IndexerBlocks).
+    ::setenv("DSAKIT_INDEXER_WORKSPACE_BYTES", std::to_string(chunk).c_str(), 1);
+    const std::vector<int32_t> blocked = run();
+    ::unsetenv("DSAKIT_INDEXER_WORKSPACE_BYTES");
+    EXPECT_EQ(blocked, whole) << "block bytes " << chunk;
   }
   EXPECT_EQ(run(), whole) << "second run";  // determinism
 

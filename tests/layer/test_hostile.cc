@@ -1,5 +1,5 @@
-// Hostile input at the layer and backend boundary (DESIGN.md §8), on every backend under test:
-// random invalid calls are rejected with an error naming the argument and leave the pools
+// Hostile input at the layer and backend boundary (docs/reliability.md), on every backend under
+// test: random invalid calls are rejected with an error naming the argument and leave the pools
 // byte-identical; invalid top-k entries (negative, past the context, reaching into another
 // request's locations, past the pool) are skipped, never read; NaN/Inf in one request's inputs
 // stays in that request; the workspace limit refuses a call before anything is written; two
@@ -15,6 +15,7 @@
 #include "dsakit/error.h"
 #include "src/reference/reference.h"
 #include "tests/common/test_util.h"
+#include "tools/harness.h"
 
 namespace dsakit {
 namespace {
@@ -53,7 +54,7 @@ struct Rig {
     kv = be->make_kv_pool(kd);
     ix = be->make_index_pool({kd.page_size, kd.num_pages, c.index_head_dim});
     w = be->to_device(random_kv_b_proj(c, seed + 1));
-    tokens = TokenStore::random(c, lengths, seed);
+    tokens = random_token_store(c, lengths, seed);
     tables = allocate_pages(lengths, kd.page_size, kd.num_pages, seed + 2);
     layer = std::make_unique<DsaAttention>(c, *be, kv, ix, w, options);
   }
@@ -112,7 +113,7 @@ struct Breakage {
   std::function<void(Batch&, LayerInputs&, testing::Rng&)> apply;
 };
 
-// §8: random invalid calls (which breakage, which request, which tensor, which value) are all
+// random invalid calls (which breakage, which request, which tensor, which value) are all
 // rejected before the first write, with a message naming the argument.
 TEST_P(HostileTest, RandomInvalidCallsLeaveThePoolsByteIdentical) {
   const uint64_t seed = fresh_seed();
@@ -249,7 +250,7 @@ TEST_P(HostileTest, RandomInvalidCallsLeaveThePoolsByteIdentical) {
   EXPECT_NE(rig.pool_checksum(), before);
 }
 
-// §8: a call over LayerOptions::max_workspace_bytes fails with kResource before any write; the
+// a call over LayerOptions::max_workspace_bytes fails with kResource before any write; the
 // same call at exactly its estimate runs.
 TEST_P(HostileTest, WorkspaceLimitRefusesBeforeAnyWrite) {
   const uint64_t seed = fresh_seed();
@@ -309,7 +310,7 @@ TEST_P(HostileTest, WorkspaceLimitRefusesBeforeAnyWrite) {
   }
 }
 
-// §8: top-k entries that are -1, negative, at or past the token's context (including offsets
+// top-k entries that are -1, negative, at or past the token's context (including offsets
 // that would land in the next request's locations) or past the pool are skipped: pool rows they
 // would reach hold NaN, and the result equals the reference over the valid entries alone.
 TEST_P(HostileTest, InvalidTopkEntriesAreSkippedNeverRead) {
@@ -434,7 +435,7 @@ TEST_P(HostileTest, InvalidTopkEntriesAreSkippedNeverRead) {
   }
 }
 
-// §8: NaN or ±Inf in any input of request 0 leaves request 1's outputs bit-identical, on both
+// NaN or ±Inf in any input of request 0 leaves request 1's outputs bit-identical, on both
 // paths; a poisoned query row gives a non-finite output instead of a crash.
 TEST_P(HostileTest, NonFiniteInputsStayInTheirRequest) {
   const std::vector<int32_t> lengths = {40, 30};

@@ -1,7 +1,7 @@
-// The layer end to end on every backend under test (DESIGN.md §3.6, §6, §8): dense == sparse
-// where exact, chunked == one-shot (with a path switch), prefix hit == fresh, decode, DCP
-// == single rank, agreement with the float64 layer reference, and rejected calls that leave the
-// pools untouched.
+// The layer end to end on every backend under test (docs/design.md#equivalence, docs/layer.md,
+// docs/reliability.md): dense == sparse where exact, chunked == one-shot (with a path switch),
+// prefix hit == fresh, decode, DCP == single rank, agreement with the float64 layer reference,
+// and rejected calls that leave the pools untouched.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -13,6 +13,7 @@
 #include "dsakit/error.h"
 #include "src/reference/layer_reference.h"
 #include "tests/common/test_util.h"
+#include "tools/harness.h"
 
 namespace dsakit {
 namespace {
@@ -53,7 +54,7 @@ struct Harness {
     ix = be->make_index_pool({page_size, pages, c.index_head_dim});
     w_host = random_kv_b_proj(c, seed + 1);
     w = be->to_device(w_host);
-    tokens = TokenStore::random(c, lengths, seed);
+    tokens = random_token_store(c, lengths, seed);
     tables = allocate_pages(lengths, page_size, pages, seed + 2);
     LayerOptions o;
     o.output_dtype = out;
@@ -132,7 +133,8 @@ double tol_lse_vs_reference(const Harness& h) {
 
 class LayerTest : public ::testing::TestWithParam<std::string> {};
 
-// §3.6: with every L_r <= index_topk, sparse MLA and dense MHA compute the same function.
+// docs/design.md#equivalence: with every L_r <= index_topk, sparse MLA and dense MHA compute the
+// same function.
 TEST_P(LayerTest, DenseEqualsSparseWhenContextsFitTopk) {
   struct Case {
     const char* preset;
@@ -160,7 +162,8 @@ TEST_P(LayerTest, DenseEqualsSparseWhenContextsFitTopk) {
   }
 }
 
-// §6: chunking does not change any token's result, on either path and across a path switch.
+// docs/layer.md: chunking does not change any token's result, on either path and across a path
+// switch.
 TEST_P(LayerTest, ChunkedEqualsOneShot) {
   for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled}) {
     for (DispatchMode mode : {DispatchMode::kRule, DispatchMode::kDense, DispatchMode::kSparse}) {
@@ -198,8 +201,9 @@ TEST_P(LayerTest, ChunkedEqualsOneShot) {
   }
 }
 
-// Cost mode may split a batch into runs of requests on different paths (§5): each run computes
-// exactly what the whole batch through one path would, dense rows carry no top-k, sparse rows do.
+// Cost mode may split a batch into runs of requests on different paths
+// (docs/dispatch.md#cost-mode): each run computes exactly what the whole batch through one path
+// would, dense rows carry no top-k, sparse rows do.
 TEST_P(LayerTest, CostModeSplitPlanMatchesAWholeBatchPath) {
   for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled}) {
     const uint64_t seed = fresh_seed();
@@ -433,7 +437,8 @@ TEST_P(LayerTest, TargetVerifyRoutesToSparse) {
   EXPECT_EQ(p.rule, 2);
 }
 
-// §6 DCP: W in-process ranks own positions p % W; merged partials equal the single rank.
+// DCP (docs/layer.md): W in-process ranks own positions p % W; merged partials equal the single
+// rank.
 TEST_P(LayerTest, DcpEqualsSingleRank) {
   for (DispatchMode mode : {DispatchMode::kDense, DispatchMode::kSparse}) {
     for (int world : {2, 3, 4, 8}) {
@@ -510,7 +515,7 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
   }
 }
 
-// §8: every rejected call leaves both pools byte-identical.
+// docs/reliability.md: every rejected call leaves both pools byte-identical.
 TEST_P(LayerTest, RejectedCallsLeaveThePoolsUntouched) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
@@ -569,7 +574,7 @@ TEST_P(LayerTest, RejectedCallsLeaveThePoolsUntouched) {
   EXPECT_NE(h.pool_checksum(), before);
 }
 
-// §8: NaN in one request's inputs stays in that request's outputs.
+// docs/reliability.md: NaN in one request's inputs stays in that request's outputs.
 TEST_P(LayerTest, NanStaysInItsRequest) {
   for (DispatchMode mode : {DispatchMode::kDense, DispatchMode::kSparse}) {
     const uint64_t seed = fresh_seed();

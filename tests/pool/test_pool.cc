@@ -1,6 +1,7 @@
 // Paged KV pool kernels (store_kv, gather_kv, store_index_keys) through the Backend interface,
 // against the float64 reference's row codecs; typed layouts; bad input; and the host-side
-// batch bookkeeping (Batch::validate, BatchIndex::build). DESIGN.md §4, §8, §9.
+// batch bookkeeping (Batch::validate, BatchIndex::build). Contracts: docs/formats.md,
+// docs/reliability.md, docs/numerics.md.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>

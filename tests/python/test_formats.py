@@ -1,5 +1,5 @@
 """dsakit's number formats and pool quantizers against an independent numpy + ml_dtypes
-implementation of DESIGN.md §3.2 and §4, byte for byte.
+implementation of docs/formats.md, byte for byte.
 
 ml_dtypes' float8_e4m3fn cast rounds to nearest even but turns out-of-range values into NaN;
 dsakit saturates, so the expected bytes clip to ±448 before the cast (NaN stays NaN, and dsakit

@@ -1,6 +1,6 @@
-// Agreement with the golden outputs of the peer kernels (DESIGN.md §9; conventions and shapes in
-// testdata/peers/README.md): FlashMLA's FP8 quantizer, sparse prefill and FP8 sparse decode, and
-// DeepGEMM's FP8 indexer logits. Each file is checked against the float64 reference and against
+// Agreement with the golden outputs of the peer kernels (docs/numerics.md; conventions and shapes
+// in tests/data/peers/README.md): FlashMLA's FP8 quantizer, sparse prefill and FP8 sparse decode,
+// and DeepGEMM's FP8 indexer logits. Each file is checked against the float64 reference and against
 // every backend of testing::test_backends(). Measured figures are printed as "[ measure ] ..."
 // lines (and recorded as test properties); docs/numerics.md lists them.
 #include <cmath>
@@ -24,7 +24,8 @@ namespace ref = reference;
 using ref::Vec;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// FlashMLA's sm_scale for DeepSeek-V3.2 (README); the files' metadata repeats it.
+// FlashMLA's sm_scale for DeepSeek-V3.2 (tests/data/peers/README.md); the files' metadata
+// repeats it.
 constexpr double kPeerSmScale = 0.1352;
 
 // Indexer logits: the peer itself is 1.25e-4 rel-L2 and 0.047 max abs (of logits up to ~311)
@@ -105,7 +106,7 @@ constexpr int kTilesPerToken = 512 / kFp8TileSize;
 
 // Compares 656-byte tokens tile by tile (128 code bytes + the tile's fp32 scale) and the rope
 // bytes; returns one line per differing tile or rope. A tile with the "one ulp above a power of
-// two" quirk of DESIGN.md §4 would show up here by token, tile and kind.
+// two" quirk (docs/formats.md#scale-rules) would show up here by token, tile and kind.
 std::vector<std::string> fp8_token_diffs(const uint8_t* got, const uint8_t* want, int64_t tokens,
                                          const uint8_t* tile_kind) {
   std::vector<std::string> diffs;

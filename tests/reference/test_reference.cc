@@ -1,6 +1,7 @@
 // The float64 reference checked on cases small enough to work out by hand, on properties of the
-// number formats, against formats.h (two independent implementations), and on the §3.6
-// equivalence of sparse MLA and dense MHA when the indices list every visible position.
+// number formats, against formats.h (two independent implementations), and on the equivalence
+// of sparse MLA and dense MHA when the indices list every visible position
+// (docs/design.md#equivalence).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -440,8 +441,9 @@ TEST(ReferenceAttention, DenseIsCausalWithPrefix) {
   EXPECT_NEAR(a.lse[2], 0.5 + std::log(3.0), 1e-15);
 }
 
-// §3.6 at the reference level: with every visible position selected, absorbed sparse MLA over
-// [c_kv, k_pe] followed by the V up-projection equals dense MHA over up-projected K/V.
+// Equivalence (docs/design.md#equivalence) at the reference level: with every visible position
+// selected, absorbed sparse MLA over [c_kv, k_pe] followed by the V up-projection equals dense MHA
+// over up-projected K/V.
 struct PresetDims {
   const char* name;
   int d_nope, d_v;

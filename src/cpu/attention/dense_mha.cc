@@ -1,4 +1,4 @@
-// Dense causal MHA with a cached prefix on the CPU (DESIGN.md §3.5), flash-style in fp32.
+// Dense causal MHA with a cached prefix on the CPU (docs/design.md#dense-mha), flash-style in fp32.
 //
 // Query t = cu_q[r] + i of request r sees the first n_t kv rows of its request (rows
 // cu_kv[r] …): n_t = kv_visible[t] when given, else L_r - E_r + i + 1. q = [q_nope, q_pe] and

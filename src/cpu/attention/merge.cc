@@ -1,4 +1,4 @@
-// Exact merge of partial attention results by their log-sum-exp (DESIGN.md §6, DCP).
+// Exact merge of partial attention results by their log-sum-exp (DCP, docs/layer.md).
 //
 // For each (token, head): over the W parts whose lse is not +inf (+inf marks a part with no valid
 // key), m = max lse_w, lse = m + log Σ exp(lse_w - m), o = Σ exp(lse_w - lse) · o_w.

@@ -1,5 +1,5 @@
-// Sparse MLA prefill on the CPU (DESIGN.md §3.4): absorbed attention of every head over each
-// token's selected pool locations, reading the paged pool in any of its layouts.
+// Sparse MLA prefill on the CPU (docs/design.md#sparse-mla): absorbed attention of every head over
+// each token's selected pool locations, reading the paged pool in any of its layouts.
 //
 // One OpenMP task per token t. Its valid slots' pool rows are dequantized once (by the pool's
 // own gather kernel, the one row decoder of the CPU backend) into fp32 buffers shared by all H
@@ -8,8 +8,10 @@
 //   p                 = row softmax of s, fp32, max subtracted
 //   o_lat[t] [H, d_c] = p · c                                          (sgemm)
 //   lse[t, h]         = max_h + log(Σ exp(s - max_h))                  (natural log)
+//   max_logits[t, h]  = max_h                                          (when requested)
 // Slots with an index < 0 or >= num_locations are skipped before any pool access; an index that
-// repeats counts once per slot. A token with no valid slot gets o_lat = 0 and lse = +inf.
+// repeats counts once per slot. A token with no valid slot gets o_lat = 0, lse = +inf and
+// max_logits = -inf. q_abs / q_pe may be strided views (unit stride in the last dim).
 // Every buffer row a token reads was written for that token, so NaN stays within its token.
 #include <algorithm>
 #include <cmath>
@@ -33,12 +35,14 @@ struct SparseMlaWorkspace {
   std::unique_ptr<float[]> o;       // [H, d_c]     output when o_lat is bf16
 };
 
-// Rows [row, row + rows) of a bf16 | f32 tensor [*, width] as fp32: in place when f32, else
-// converted into `staging`.
-const float* rows_f32(const TensorView& t, int64_t row, int64_t rows, int64_t width,
-                      float* staging) {
-  if (t.dtype == DType::kF32) return t.ptr<const float>() + row * width;
-  load_f32(t, row * width, rows * width, staging);
+// Token t's heads of a bf16 | f32 query view [T, H, width] (unit stride in the last dim) as fp32
+// [H, width]: in place when it is a contiguous f32 block, else gathered into `staging`.
+const float* heads_f32(const TensorView& q, int64_t t, float* staging) {
+  const int64_t heads = q.shape[1], width = q.shape[2];
+  const int64_t base = t * q.stride[0];
+  if (q.dtype == DType::kF32 && q.stride[1] == width) return q.ptr<const float>() + base;
+  for (int64_t h = 0; h < heads; ++h)
+    load_f32(q, base + h * q.stride[1], width, staging + h * width);
   return staging;
 }
 
@@ -56,6 +60,7 @@ void sparse_mla(const CpuContext& ctx, const SparseMlaArgs& args) {
   const float sm_scale = float(args.sm_scale);
   const bool o_is_f32 = args.o_lat.dtype == DType::kF32;
   float* lse = args.lse.ptr<float>();
+  float* max_logits = args.max_logits.ndim ? args.max_logits.ptr<float>() : nullptr;
   const CpuContext serial{.threads = 1};  // kernels called from inside the token loop
   ScopedBlasThreads blas_threads(1);
 
@@ -81,12 +86,14 @@ void sparse_mla(const CpuContext& ctx, const SparseMlaArgs& args) {
       if (n == 0) {
         std::fill_n(o, heads * d_c, 0.0f);
         std::fill_n(lse + th0, heads, std::numeric_limits<float>::infinity());
+        if (max_logits)
+          std::fill_n(max_logits + th0, heads, -std::numeric_limits<float>::infinity());
       } else {
         gather_kv(serial, pool, make_view(ws.locs.data(), DType::kI32, Device::kCpu, {n}),
                   make_view(ws.c.get(), DType::kF32, Device::kCpu, {n, d_c}),
                   make_view(ws.r.get(), DType::kF32, Device::kCpu, {n, d_rope}));
-        const float* q_abs = rows_f32(args.q_abs, th0, heads, d_c, ws.q_abs.get());
-        const float* q_pe = rows_f32(args.q_pe, th0, heads, d_rope, ws.q_pe.get());
+        const float* q_abs = heads_f32(args.q_abs, t, ws.q_abs.get());
+        const float* q_pe = heads_f32(args.q_pe, t, ws.q_pe.get());
         float* s = ws.scores.get();
         sgemm(/*trans_b=*/true, heads, n, d_c, sm_scale, q_abs, d_c, ws.c.get(), d_c, 0.0f, s, n);
         sgemm(/*trans_b=*/true, heads, n, d_rope, sm_scale, q_pe, d_rope, ws.r.get(), d_rope, 1.0f,
@@ -100,6 +107,7 @@ void sparse_mla(const CpuContext& ctx, const SparseMlaArgs& args) {
           const float inv_sum = 1.0f / sum;
           for (int64_t j = 0; j < n; ++j) p[j] *= inv_sum;
           lse[th0 + h] = max + std::log(sum);
+          if (max_logits) max_logits[th0 + h] = max;
         }
         sgemm(/*trans_b=*/false, heads, d_c, n, 1.0f, s, n, ws.c.get(), d_c, 0.0f, o, d_c);
       }

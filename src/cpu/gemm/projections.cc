@@ -1,4 +1,4 @@
-// Projections through kv_b_proj (DESIGN.md §3.4, §3.5) as per-head fp32 GEMMs.
+// Projections through kv_b_proj (docs/design.md#sparse-mla, #dense-mha) as per-head fp32 GEMMs.
 //
 // kv_b_proj is bf16 [H * (d_nope + d_v), d_c]: head h owns the row block starting at
 // h * (d_nope + d_v), whose first d_nope rows are W_UK[h] [d_nope, d_c] and next d_v rows are

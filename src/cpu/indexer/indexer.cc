@@ -1,5 +1,6 @@
-// CPU lightning indexer (DESIGN.md §3.2): FP8 quantization of idx_q, logits over the index-key
-// pool, and the whole indexer (quantize -> logits -> top-k) in row blocks of bounded size.
+// CPU lightning indexer (docs/design.md, "Lightning indexer"): FP8 quantization of idx_q and the
+// logits over the index-key pool. The whole indexer (blocks, identity shortcut) is the shared
+// driver Backend::indexer_topk (src/core/indexer_topk.cc).
 //
 // Logits are computed per work item = (row tile, key tile). A row tile is up to
 // kGemmRows / H_i consecutive tokens with the same kv_start (tokens of one request), so they read
@@ -15,10 +16,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <string>
 #include <vector>
 
 #include "dsakit/error.h"
@@ -30,21 +29,6 @@ namespace {
 
 constexpr int64_t kGemmRows = 512;  // target rows·H_i of one GEMM
 constexpr int64_t kKeyTile = 256;   // keys per GEMM
-// Upper bound on the per-block buffers of indexer_topk (q8, gate, logits, selection);
-// DSAKIT_INDEXER_WORKSPACE_BYTES overrides it. One row is processed even if it alone exceeds it.
-constexpr int64_t kDefaultWorkspaceBytes = int64_t(256) << 20;
-constexpr const char* kWorkspaceEnv = "DSAKIT_INDEXER_WORKSPACE_BYTES";
-
-int64_t workspace_bytes() {
-  const char* s = std::getenv(kWorkspaceEnv);
-  if (s == nullptr || *s == 0) return kDefaultWorkspaceBytes;
-  char* end = nullptr;
-  const long long v = std::strtoll(s, &end, 10);
-  DSAKIT_CHECK_ARG(*end == 0 && v > 0, kWorkspaceEnv, ": expected a positive byte count, got '", s,
-                   "'");
-  return int64_t(v);
-}
-
 // Addressing of the index-key pool (include/dsakit/pool.h): location loc is slot
 // loc % page_size of page loc / page_size; a page holds page_size·d_i e4m3 codes, then
 // page_size fp32 scales.
@@ -176,7 +160,8 @@ void indexer_quantize_q(const CpuContext& ctx, const TensorView& idx_q, const Te
 }
 
 void indexer_logits(const CpuContext& ctx, const IndexerArgs& args, int64_t row_begin,
-                    int64_t row_end, const TensorView& logits) {
+                    int64_t row_end, const TensorView& logits,
+                    const IndexerLogitsOptions& options) {
   const LogitsProblem pb{args.q8.ptr<const uint8_t>(),
                          args.gate.ptr<const float>(),
                          args.kv_locs.ptr<const int32_t>(),
@@ -192,10 +177,17 @@ void indexer_logits(const CpuContext& ctx, const IndexerArgs& args, int64_t row_
 
   std::vector<RowTile> tiles;
   std::vector<int64_t> item_tile;  // work item -> its row tile
+  // Rows the caller's top-k makes the identity are skipped and end a tile (tiles are runs).
+  bool tile_open = false;
   for (int64_t t = row_begin; t < row_end; ++t) {
-    if (tiles.empty() || tiles.back().end - tiles.back().begin == rows_per_tile ||
+    if (pb.ctx_len[t] <= options.skip_ctx_at_most) {
+      tile_open = false;
+      continue;
+    }
+    if (!tile_open || tiles.back().end - tiles.back().begin == rows_per_tile ||
         pb.kv_start[t] != pb.kv_start[tiles.back().begin])
       tiles.push_back({t, t, 0, 0});
+    tile_open = true;
     tiles.back().end = t + 1;
     tiles.back().max_ctx = std::max<int64_t>(tiles.back().max_ctx, pb.ctx_len[t]);
   }
@@ -210,10 +202,13 @@ void indexer_logits(const CpuContext& ctx, const IndexerArgs& args, int64_t row_
 #pragma omp parallel num_threads(ctx.threads)
   {
     // -inf beyond each row's context; the items write the positions before it.
+    if (options.fill_masked) {
 #pragma omp for schedule(static)
-    for (int64_t t = row_begin; t < row_end; ++t) {
-      float* row = pb.logits + (t - row_begin) * pb.width;
-      std::fill(row + pb.ctx_len[t], row + pb.width, -std::numeric_limits<float>::infinity());
+      for (int64_t t = row_begin; t < row_end; ++t) {
+        if (pb.ctx_len[t] <= options.skip_ctx_at_most) continue;
+        float* row = pb.logits + (t - row_begin) * pb.width;
+        std::fill(row + pb.ctx_len[t], row + pb.width, -std::numeric_limits<float>::infinity());
+      }
     }
     ItemWorkspace ws;
     ws.q.resize(size_t(rows_per_tile * pb.h_i * pb.d_i));
@@ -227,71 +222,6 @@ void indexer_logits(const CpuContext& ctx, const IndexerArgs& args, int64_t row_
       const RowTile& tile = tiles[size_t(ti)];
       score_item(pb, tile, ti, (item - tile.first_item) * kKeyTile, ws);
     }
-  }
-}
-
-void indexer_topk(const CpuContext& ctx, const TensorView& idx_q, const TensorView& idx_w,
-                  const IndexerArgs& layout, int k, const TensorView& out) {
-  const int64_t t_total = idx_q.shape[0], h_i = idx_q.shape[1], d_i = idx_q.shape[2];
-  const int32_t* kv_start = layout.kv_start.ptr<const int32_t>();
-  const int32_t* ctx_len = layout.ctx_len.ptr<const int32_t>();
-  int32_t* selected = out.ptr<int32_t>();
-
-  // Identity shortcut: a token seeing at most k positions selects all of them, no logits.
-  std::vector<int64_t> scored;  // tokens with ctx_len > k
-  int64_t max_ctx = 0;
-  for (int64_t t = 0; t < t_total; ++t) {
-    if (ctx_len[t] > k) {
-      scored.push_back(t);
-      max_ctx = std::max<int64_t>(max_ctx, ctx_len[t]);
-      continue;
-    }
-    int32_t* row = selected + t * k;
-    for (int32_t p = 0; p < k; ++p) row[p] = p < ctx_len[t] ? p : -1;
-  }
-  const int64_t num_scored = int64_t(scored.size());
-  if (num_scored == 0) return;
-
-  // Row blocks: q8, gate, kv_start, ctx_len, logits and selection of block_rows tokens fit
-  // the workspace bound (at least one row per block).
-  const int64_t row_bytes = h_i * d_i + 4 * h_i + 8 + 4 * max_ctx + 4 * int64_t(k);
-  const int64_t block_rows = std::clamp<int64_t>(workspace_bytes() / row_bytes, 1, num_scored);
-  const Tensor q8 = Tensor::host(DType::kU8, {block_rows, h_i, d_i});
-  const Tensor gate = Tensor::host(DType::kF32, {block_rows, h_i});
-  const Tensor block_kv_start = Tensor::host(DType::kI32, {block_rows});
-  const Tensor block_ctx_len = Tensor::host(DType::kI32, {block_rows});
-  const Tensor logits = Tensor::host(DType::kF32, {block_rows * max_ctx});
-  const Tensor block_selected = Tensor::host(DType::kI32, {block_rows, k});
-  const float norm = gate_norm(h_i, d_i);
-
-  for (int64_t b0 = 0; b0 < num_scored; b0 += block_rows) {
-    const int64_t rows = std::min(block_rows, num_scored - b0);
-    const int64_t* tokens = scored.data() + b0;
-    int64_t width = 0;
-    for (int64_t i = 0; i < rows; ++i) {
-      block_kv_start.ptr<int32_t>()[i] = kv_start[tokens[i]];
-      block_ctx_len.ptr<int32_t>()[i] = ctx_len[tokens[i]];
-      width = std::max<int64_t>(width, ctx_len[tokens[i]]);
-    }
-#pragma omp parallel for num_threads(ctx.threads) schedule(static)
-    for (int64_t i = 0; i < rows; ++i)
-      quantize_token(idx_q.ptr<const bf16_t>() + tokens[i] * h_i * d_i,
-                     idx_w.ptr<const float>() + tokens[i] * h_i, h_i, d_i, norm,
-                     q8.ptr<uint8_t>() + i * h_i * d_i, gate.ptr<float>() + i * h_i);
-
-    IndexerArgs block = layout;
-    block.q8 = make_view(q8.view().data, DType::kU8, Device::kCpu, {rows, h_i, d_i});
-    block.gate = make_view(gate.view().data, DType::kF32, Device::kCpu, {rows, h_i});
-    block.kv_start = make_view(block_kv_start.view().data, DType::kI32, Device::kCpu, {rows});
-    block.ctx_len = make_view(block_ctx_len.view().data, DType::kI32, Device::kCpu, {rows});
-    const TensorView block_logits =
-        make_view(logits.view().data, DType::kF32, Device::kCpu, {rows, width});
-    const TensorView block_out =
-        make_view(block_selected.view().data, DType::kI32, Device::kCpu, {rows, k});
-    indexer_logits(ctx, block, 0, rows, block_logits);
-    topk(ctx, block_logits, block.ctx_len, k, block_out);
-    for (int64_t i = 0; i < rows; ++i)
-      std::copy_n(block_selected.ptr<const int32_t>() + i * k, k, selected + tokens[i] * k);
   }
 }
 

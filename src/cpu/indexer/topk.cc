@@ -1,4 +1,4 @@
-// CPU top-k over indexer logits (DESIGN.md §3.3).
+// CPU top-k over indexer logits (docs/design.md#top-k).
 //
 // Ranking: larger scores first; -0.0 and +0.0 are equal; every NaN ranks below every number
 // (-inf included) and NaNs are equal to each other; equal scores go to the lower position.

@@ -1,4 +1,4 @@
-// CPU pool kernels (DESIGN.md §4): store_kv quantizes bf16 tokens into latent-pool rows,
+// CPU pool kernels (docs/formats.md): store_kv quantizes bf16 tokens into latent-pool rows,
 // gather_kv dequantizes rows back to bf16 / f32, store_index_keys quantizes indexer keys into
 // the index-key pool. Arguments arrive validated (shapes, dtypes, distinct in-range locations).
 //

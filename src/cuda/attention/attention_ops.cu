@@ -9,16 +9,15 @@
 #include "dsakit/error.h"
 #include "src/cuda/attention/dispatch.h"
 #include "src/cuda/attention/merge_kernels.h"
+#include "src/cuda/attention/sparse_mla_params.h"
 #include "src/cuda/common/dispatch.h"
-#include "src/cuda/sm90/prefill/dense_mha/dense_mha_params.h"
-#include "src/cuda/sm90/prefill/dense_mha/dense_mha_schedule.h"
-#include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_params.h"
+#include "src/cuda/sm80/prefill/dense_mha/dense_mha_params.h"
+#include "src/cuda/sm80/prefill/dense_mha/dense_mha_schedule.h"
 
 namespace dsakit {
 namespace {
 
-using cuda::attention::dispatch_dense_dims;
-using cuda::attention::dispatch_heads_per_cta;
+using cuda::attention::dispatch_dense_mha_sm80;
 using cuda::dense_mha::build_dense_schedule;
 using cuda::dense_mha::DenseSchedule;
 
@@ -39,28 +38,20 @@ const T* data_or_null(const TensorView& t) {
 
 // Row size the sparse MLA kernel assumes for a pool layout (d_c 512, d_rope 64).
 int kernel_pool_row_bytes(KvLayout layout) {
-  using cuda::sparse_mla::PoolRow;
-  DSAKIT_DISPATCH_KV_LAYOUT(layout, kLayout, 0, return PoolRow<kLayout>::kBytes);
-  return 0;
-}
-
-// Launches the sparse MLA instance for a pool layout and head group; false if none exists.
-bool launch_sparse_mla(KvLayout layout, int heads_per_cta,
-                       const cuda::sparse_mla::SparseMlaParams& params, cudaStream_t stream,
-                       cudaError_t& status) {
-  using cuda::sparse_mla::run_sparse_mla;
-  bool found = false;
-  DSAKIT_DISPATCH_KV_LAYOUT(layout, kLayout, false, {
-    found = dispatch_heads_per_cta(heads_per_cta, [&](auto heads) {
-      status = run_sparse_mla<decltype(heads)::value, kLayout>(params, stream);
-    });
-  });
-  return found;
+  int bytes = 0;
+  cuda::dispatch_kv_layout(
+      layout, [&](auto l) { bytes = cuda::sparse_mla::PoolRow<decltype(l)::value>::kBytes; });
+  return bytes;
 }
 
 }  // namespace
 
-void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
+SparseMlaKernel sparse_mla_kernel_for(KvLayout layout, int64_t num_heads) {
+  const bool wgmma = cuda::attention::dispatch_sparse_mla_sm90(layout, [](auto) {});
+  return wgmma && num_heads > 16 ? SparseMlaKernel::kWgmma : SparseMlaKernel::kMmaSync;
+}
+
+void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, SparseMlaKernel kernel) {
   constexpr const char* kOp = "cuda sparse_mla";
   using namespace cuda::sparse_mla;
   require_bf16(a.q_abs, kOp, "q_abs");
@@ -85,23 +76,39 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
   params.topk_length = data_or_null<int32_t>(a.topk_length);
   params.o_lat = a.o_lat.ptr<bf16_t>();
   params.lse = a.lse.ptr<float>();
+  params.max_logits = a.max_logits.ndim ? a.max_logits.ptr<float>() : nullptr;
+  params.q_abs_token_stride = a.q_abs.stride[0];
+  params.q_abs_head_stride = a.q_abs.stride[1];
+  params.q_pe_token_stride = a.q_pe.stride[0];
+  params.q_pe_head_stride = a.q_pe.stride[1];
   params.num_tokens = num_tokens;
   params.num_locations = desc.num_locations();
   params.num_heads = int(num_heads);
   params.topk = int(topk);
   params.sm_scale = float(a.sm_scale);
   params.k_scale = desc.k_scale;
-  if (num_tokens == 0) return;
 
-  const int heads_per_cta = cuda::attention::sparse_mla_heads_per_cta(int(num_heads));
   DSAKIT_CHECK(desc.bytes_per_token() == kernel_pool_row_bytes(desc.layout), kInternal, kOp,
                ": pool rows of ", desc.bytes_per_token(), " B, the kernel reads ",
                kernel_pool_row_bytes(desc.layout), " B for layout ", to_string(desc.layout));
+  if (kernel == SparseMlaKernel::kAuto) kernel = sparse_mla_kernel_for(desc.layout, num_heads);
   cudaError_t status = cudaSuccess;
-  const bool found = launch_sparse_mla(desc.layout, heads_per_cta, params, stream, status);
-  DSAKIT_CHECK(found, kUnsupported, kOp, ": no instance for pool layout ", to_string(desc.layout),
-               " with ", heads_per_cta,
-               " heads per CTA; supported: layouts bf16, fp8, fp8-raw; head groups 16, 64");
+  if (kernel == SparseMlaKernel::kWgmma) {
+    const bool found = cuda::attention::dispatch_sparse_mla_sm90(desc.layout, [&](auto layout) {
+      status = run_sparse_mla_sm90<decltype(layout)::value>(params, stream);
+    });
+    DSAKIT_CHECK(found, kUnsupported, kOp, ": no wgmma instance for a ", to_string(desc.layout),
+                 " pool; compiled: ", cuda::attention::sparse_mla_sm90_supported());
+  } else {
+    const int heads_per_cta = cuda::attention::sparse_mla_heads_per_cta(int(num_heads));
+    const bool found = cuda::attention::dispatch_sparse_mla_sm80(
+        heads_per_cta, desc.layout, [&](auto heads, auto layout) {
+          status = run_sparse_mla<decltype(heads)::value, decltype(layout)::value>(params, stream);
+        });
+    DSAKIT_CHECK(found, kUnsupported, kOp, ": no mma.sync instance for ", heads_per_cta,
+                 " heads/CTA + a ", to_string(desc.layout),
+                 " pool; compiled: ", cuda::attention::sparse_mla_sm80_supported());
+  }
   check_cuda(status, "cuda sparse_mla launch");
 }
 
@@ -127,22 +134,22 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   if (num_heads == 0 || a.num_requests == 0 || a.cu_q_host[a.num_requests] == 0) return;
 
   // The requested head dims need a kernel; none -> kUnsupported before any allocation.
-  DSAKIT_CHECK(dispatch_dense_dims(d_nope, d_rope, d_v, [](auto, auto, auto) {}), kUnsupported, kOp,
-               ": requires (d_nope, d_rope, d_v) = (", d_nope, ", ", d_rope, ", ", d_v,
-               "); the CUDA kernels support ", cuda::attention::kDenseMhaSupportedDims);
+  DSAKIT_CHECK(dispatch_dense_mha_sm80(d_nope, d_rope, d_v, [](auto, auto, auto) {}), kUnsupported,
+               kOp, ": requires (d_nope, d_rope, d_v) = (", d_nope, ", ", d_rope, ", ", d_v,
+               "); the CUDA kernels support ", cuda::attention::dense_mha_sm80_supported());
 
-  // Split-KV partials (f32 o + lse per row and slot) stay within the size of the bf16 K/V
-  // buffers the caller already holds, which DsaAttention::workspace_bytes counts twice for it.
-  const DenseSchedule schedule =
-      build_dense_schedule(a.cu_q_host, a.cu_kv_host, a.num_requests, num_heads, sm_count,
-                           4 * int64_t(d_v + 1), num_kv * num_heads * (d_nope + d_v) * 2);
+  // Split-KV partials (f32 o + lse per row and slot) stay within their budget, which the
+  // backend reports in dense_mha_scratch_bytes.
+  const DenseSchedule schedule = build_dense_schedule(
+      a.cu_q_host, a.cu_kv_host, a.num_requests, num_heads, sm_count, 4 * int64_t(d_v + 1),
+      dense_partials_budget_bytes(num_kv, num_heads, d_nope, d_v));
   const std::vector<DenseTile>& tiles = schedule.tiles;
   // A grid that leaves SMs idle with d_v = 256 (GLM-5) runs two CTAs per (tile, head), 128 V
   // columns each (the d_v = 128 instance): both compute S, each does half the P·V work and
   // loads half of V, and together they fill twice as many SMs.
   const int v_slices = d_v == 256 && int64_t(tiles.size()) * num_heads < sm_count ? 2 : 1;
   cudaError_t (*launch)(const DenseMhaParams&, cudaStream_t) = nullptr;
-  dispatch_dense_dims(d_nope, d_rope, d_v / v_slices, [&](auto nope, auto rope, auto v) {
+  dispatch_dense_mha_sm80(d_nope, d_rope, d_v / v_slices, [&](auto nope, auto rope, auto v) {
     launch = &run_dense_mha<decltype(nope)::value, decltype(rope)::value, decltype(v)::value>;
   });
   DSAKIT_CHECK(launch != nullptr, kInternal, kOp, ": no instance for d_v slices of ",
@@ -190,6 +197,11 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
                                           false, params.rows, schedule.parts, d_v},
                                          stream);
   check_cuda(status, "cuda dense_mha launch");
+}
+
+int64_t cuda_dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope, int d_v,
+                                     int sm_count) {
+  return cuda::dense_mha::dense_scratch_bytes(num_kv, num_heads, d_nope, d_v, sm_count);
 }
 
 }  // namespace dsakit

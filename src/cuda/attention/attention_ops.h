@@ -14,11 +14,20 @@
 
 namespace dsakit {
 
-// Sparse MLA (DESIGN.md §3.4), prefill and decode: q_abs / q_pe / o_lat bf16, d_c 512,
-// d_rope 64, H in [1, 128], any top-k, pool layouts bf16 | fp8 | fp8-raw read by location.
-void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
+// Which sparse MLA kernel runs: kAuto lets sparse_mla_kernel_for() choose per call.
+enum class SparseMlaKernel { kAuto, kMmaSync, kWgmma };
 
-// Dense MHA prefill (DESIGN.md §3.5): bf16, (d_nope, d_rope, d_v) in {(128, 64, 128),
+// The kernel kAuto runs for a pool layout and head count: the wgmma kernel where an instance
+// exists (instances.h) and H > 16, else the mma.sync kernel (16-head groups pad less).
+SparseMlaKernel sparse_mla_kernel_for(KvLayout layout, int64_t num_heads);
+
+// Sparse MLA (docs/design.md, "Sparse MLA"), prefill and decode: q_abs / q_pe / o_lat bf16, d_c
+// 512, d_rope 64, H in [1, 128], any top-k, pool layouts bf16 | fp8 | fp8-raw read by location.
+// `kernel` other than kAuto forces that kernel (kUnsupported where it has no instance).
+void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream,
+                     SparseMlaKernel kernel = SparseMlaKernel::kAuto);
+
+// Dense MHA prefill (docs/design.md, "Dense MHA"): bf16, (d_nope, d_rope, d_v) in {(128, 64, 128),
 // (192, 64, 128), (192, 64, 256)}, varlen causal with prefix; the tile schedule comes from
 // cu_q_host / cu_kv_host. Grids smaller than the device's `sm_count` split long tiles' kv blocks
 // over several CTAs and merge the partial results (merge_partials). `scratch(bytes)` returns
@@ -26,5 +35,8 @@ void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
 // allocation once warm), for a long tile schedule and the split partials.
 void cuda_dense_mha(const DenseMhaArgs& args, int sm_count, cudaStream_t stream,
                     const std::function<void*(size_t)>& scratch);
+// Upper bound of the bytes cuda_dense_mha takes from `scratch` for these shapes.
+int64_t cuda_dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope, int d_v,
+                                     int sm_count);
 
 }  // namespace dsakit

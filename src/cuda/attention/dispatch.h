@@ -1,57 +1,90 @@
-// Run-time values -> compile-time template arguments for the attention kernels (the pool
-// layout goes through DSAKIT_DISPATCH_KV_LAYOUT of src/cuda/common/dispatch.h). Each dispatcher
-// calls f with std::integral_constant arguments for a compiled combination and returns false
-// (calling nothing) for any other; the caller turns false into Error(kUnsupported).
+// Run-time values -> the compiled attention kernel instances of src/cuda/attention/instances.h.
+// Each dispatcher calls f with std::integral_constant arguments for a row of the table and
+// returns false, calling nothing, for any other (src/cuda/common/dispatch.h's convention); the
+// *_supported() strings name the rows for kUnsupported messages and `dsakit info`. Free of CUDA
+// headers: cuda_capabilities() (src/core/backend.cc, built without CUDA too) reads it.
 #pragma once
 
+#include <string>
 #include <type_traits>
 
 #include "dsakit/pool.h"
+#include "src/cuda/attention/instances.h"
 
 namespace dsakit::cuda::attention {
 
-// Sparse MLA head groups: 16 heads per CTA for H <= 16 (TP shards), else 64 (masked tail).
+// Sparse MLA (mma.sync) head groups: 16 heads per CTA for H <= 16 (TP shards), else 64 (a
+// masked tail for H not a multiple of 64).
 inline int sparse_mla_heads_per_cta(int num_heads) {
   return num_heads <= 16 ? 16 : 64;
 }
 
 template <typename F>
-bool dispatch_heads_per_cta(int heads_per_cta, F&& f) {
-  switch (heads_per_cta) {
-    case 16:
-      f(std::integral_constant<int, 16>{});
-      return true;
-    case 64:
-      f(std::integral_constant<int, 64>{});
-      return true;
-    default:
-      return false;
+bool dispatch_sparse_mla_sm80(int heads_per_cta, KvLayout layout, F&& f) {
+#define DSAKIT_X(kHeads, kLayout)                               \
+  if (heads_per_cta == kHeads && layout == KvLayout::kLayout) { \
+    f(std::integral_constant<int, kHeads>{},                    \
+      std::integral_constant<KvLayout, KvLayout::kLayout>{});   \
+    return true;                                                \
   }
+  DSAKIT_SPARSE_MLA_SM80_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  return false;
 }
 
-// Dense MHA (d_nope, d_rope, d_v): DeepSeek-V3.2 (128, 64, 128) and GLM-5 (192, 64, 256); the
-// (192, 64, 128) instance also runs GLM-5's short grids as two V column slices per head.
-inline constexpr const char* kDenseMhaSupportedDims =
-    "(128, 64, 128), (192, 64, 128), (192, 64, 256)";
+template <typename F>
+bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
+#define DSAKIT_X(kLayout)                                     \
+  if (layout == KvLayout::kLayout) {                          \
+    f(std::integral_constant<KvLayout, KvLayout::kLayout>{}); \
+    return true;                                              \
+  }
+  DSAKIT_SPARSE_MLA_SM90_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  return false;
+}
 
 template <typename F>
-bool dispatch_dense_dims(int d_nope, int d_rope, int d_v, F&& f) {
-  if (d_nope == 128 && d_rope == 64 && d_v == 128) {
-    f(std::integral_constant<int, 128>{}, std::integral_constant<int, 64>{},
-      std::integral_constant<int, 128>{});
-    return true;
+bool dispatch_dense_mha_sm80(int d_nope, int d_rope, int d_v, F&& f) {
+#define DSAKIT_X(kNope, kRope, kV)                                                \
+  if (d_nope == kNope && d_rope == kRope && d_v == kV) {                          \
+    f(std::integral_constant<int, kNope>{}, std::integral_constant<int, kRope>{}, \
+      std::integral_constant<int, kV>{});                                         \
+    return true;                                                                  \
   }
-  if (d_nope == 192 && d_rope == 64 && d_v == 128) {
-    f(std::integral_constant<int, 192>{}, std::integral_constant<int, 64>{},
-      std::integral_constant<int, 128>{});
-    return true;
-  }
-  if (d_nope == 192 && d_rope == 64 && d_v == 256) {
-    f(std::integral_constant<int, 192>{}, std::integral_constant<int, 64>{},
-      std::integral_constant<int, 256>{});
-    return true;
-  }
+  DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
   return false;
+}
+
+// The table's rows as text: "16 heads/CTA + bf16 pool, ..." and "(128, 64, 128), ...".
+inline std::string sparse_mla_sm80_supported() {
+  std::string rows;
+#define DSAKIT_X(kHeads, kLayout)                                           \
+  rows += std::string(rows.empty() ? "" : ", ") + #kHeads " heads/CTA + " + \
+          to_string(KvLayout::kLayout) + " pool";
+  DSAKIT_SPARSE_MLA_SM80_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  return rows;
+}
+
+inline std::string sparse_mla_sm90_supported() {
+  std::string rows;
+#define DSAKIT_X(kLayout)                                             \
+  rows += std::string(rows.empty() ? "" : ", ") + "64 heads/CTA + " + \
+          to_string(KvLayout::kLayout) + " pool";
+  DSAKIT_SPARSE_MLA_SM90_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  return rows;
+}
+
+inline std::string dense_mha_sm80_supported() {
+  std::string rows;
+#define DSAKIT_X(kNope, kRope, kV) \
+  rows += std::string(rows.empty() ? "" : ", ") + "(" #kNope ", " #kRope ", " #kV ")";
+  DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  return rows;
 }
 
 }  // namespace dsakit::cuda::attention

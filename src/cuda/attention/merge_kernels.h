@@ -1,4 +1,5 @@
-// Launcher of merge_partials (DESIGN.md §6, DCP): W partial attention results merged by lse.
+// Launcher of merge_partials (docs/layer.md, context parallelism; split-KV): W partial attention
+// results merged by lse.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,35 +1,33 @@
-// Runtime value -> constexpr template argument, in one place. Each macro runs its body with a
-// constexpr (or type alias) bound to the case; an unlisted value returns `on_error` from the
-// enclosing function (launchers return cudaErrorInvalidValue; the backend validated first).
+// Run-time value -> compile-time template argument. Each dispatcher calls f with a
+// std::integral_constant for a known value and returns false, calling nothing, for any other:
+// launchers turn false into cudaErrorInvalidValue, the backend's ops into Error(kUnsupported).
+// The attention kernels' instance dispatchers (src/cuda/attention/dispatch.h) follow the same
+// convention.
 #pragma once
 
-#include "dsakit/pool.h"
+#include <type_traits>
 
-// DSAKIT_DISPATCH_KV_LAYOUT(layout, LAYOUT, on_error, body...): LAYOUT is a constexpr KvLayout.
-#define DSAKIT_DISPATCH_KV_LAYOUT(layout, LAYOUT, on_error, ...)            \
-  switch (layout) {                                                         \
-    case ::dsakit::KvLayout::kBf16: {                                       \
-      constexpr ::dsakit::KvLayout LAYOUT = ::dsakit::KvLayout::kBf16;      \
-      __VA_ARGS__;                                                          \
-    } break;                                                                \
-    case ::dsakit::KvLayout::kFp8Scaled: {                                  \
-      constexpr ::dsakit::KvLayout LAYOUT = ::dsakit::KvLayout::kFp8Scaled; \
-      __VA_ARGS__;                                                          \
-    } break;                                                                \
-    case ::dsakit::KvLayout::kFp8Raw: {                                     \
-      constexpr ::dsakit::KvLayout LAYOUT = ::dsakit::KvLayout::kFp8Raw;    \
-      __VA_ARGS__;                                                          \
-    } break;                                                                \
-    default:                                                                \
-      return on_error;                                                      \
-  }
+#include "dsakit/formats.h"
 
-// DSAKIT_DISPATCH_OUT_TYPE(is_f32, OutT, body...): OutT is float or dsakit::bf16_t.
-#define DSAKIT_DISPATCH_OUT_TYPE(is_f32, OutT, ...) \
-  if (is_f32) {                                     \
-    using OutT = float;                             \
-    __VA_ARGS__;                                    \
-  } else {                                          \
-    using OutT = ::dsakit::bf16_t;                  \
-    __VA_ARGS__;                                    \
+namespace dsakit::cuda {
+
+template <KvLayout kLayout>
+using KvLayoutConstant = std::integral_constant<KvLayout, kLayout>;
+
+template <typename F>
+bool dispatch_kv_layout(KvLayout layout, F&& f) {
+  switch (layout) {
+    case KvLayout::kBf16:
+      f(KvLayoutConstant<KvLayout::kBf16>{});
+      return true;
+    case KvLayout::kFp8Scaled:
+      f(KvLayoutConstant<KvLayout::kFp8Scaled>{});
+      return true;
+    case KvLayout::kFp8Raw:
+      f(KvLayoutConstant<KvLayout::kFp8Raw>{});
+      return true;
   }
+  return false;
+}
+
+}  // namespace dsakit::cuda

@@ -1,5 +1,6 @@
-// Warp-level FP8 quantizer of one d-vector with the indexer's power-of-two scale (DESIGN.md §3.2):
-// used for indexer keys (pool store) and indexer queries. Formulas from dsakit/formats.h.
+// Warp-level FP8 quantizer of one d-vector with the indexer's power-of-two scale
+// (docs/formats.md#scale-rules): used for indexer keys (pool store) and indexer queries. Formulas
+// from dsakit/formats.h.
 #pragma once
 
 #include "src/cuda/common/device_utils.cuh"

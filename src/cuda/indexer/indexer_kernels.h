@@ -1,6 +1,7 @@
-// Launchers of the lightning-indexer kernels (DESIGN.md §3.2, §3.3): query quantization, logits
-// over the index-key pool, per-row top-k, and top-k positions -> pool locations. Plain parameter
-// structs; every index read from device memory is bound-checked in the kernels.
+// Launchers of the lightning-indexer kernels (docs/design.md#lightning-indexer, #top-k): query
+// quantization, logits over the index-key pool, per-row top-k, and top-k positions -> pool
+// locations. Plain parameter structs; every index read from device memory is bound-checked in
+// the kernels.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,9 +47,9 @@ struct IndexerLogitsParams {
 };
 
 struct TopkParams {
-  const float* logits;     // [rows, width]; only entries [0, ctx_len) of a row are read (rows
-                           // with ctx_len <= k read none: null is allowed when width <= k)
-  const int32_t* ctx_len;  // [rows], clamped to [0, width]
+  const float* logits;     // [rows, width]; only entries [0, ctx_len) of a row are read, and
+                           // none of a row with ctx_len <= k (null when every row is one)
+  const int32_t* ctx_len;  // [rows]; a row with ctx_len > k is clamped to width
   int32_t* out;            // [rows, k] ascending positions, -1 padded
   int64_t rows;
   int64_t width;

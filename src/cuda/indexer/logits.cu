@@ -1,4 +1,4 @@
-// indexer_logits (DESIGN.md §3.2):
+// indexer_logits (docs/design.md#lightning-indexer):
 //   logits[t, p] = s_k[loc] · Σ_h gate[t,h] · ReLU(q8[t,h,:] · k8[loc,:]),  loc =
 //   kv_locs[kv_start[t] + p]
 //

@@ -1,4 +1,5 @@
-// indexer_logits on FP8 tensor cores (DESIGN.md §3.2), the same contract as logits.cu:
+// indexer_logits on FP8 tensor cores (docs/design.md#lightning-indexer), the same contract as
+// logits.cu:
 //   logits[t, p] = s_k[loc] · Σ_h gate[t,h] · ReLU(q8[t,h,:] · k8[loc,:]),  loc =
 //   kv_locs[kv_start[t] + p]
 // for d_i = 128 (kDim). S[h, n] = q8[t] · k8^T is mma.sync m16n8k32 e4m3 x e4m3 on the raw
@@ -37,14 +38,12 @@
 // of one CTA normally share kv_start (one request); when it changes the key tile is re-staged.
 #include <cmath>
 
-#include "src/cuda/attention/warp_mma.cuh"
 #include "src/cuda/common/device_utils.cuh"
+#include "src/cuda/common/warp_mma.cuh"
 #include "src/cuda/indexer/indexer_kernels.h"
 
 namespace dsakit::cuda {
 namespace {
-
-namespace mma = attention;
 
 constexpr int kDim = 128;           // d_i: code bytes per vector
 constexpr int kChunks = kDim / 16;  // 16-byte chunks per vector
@@ -57,7 +56,7 @@ constexpr int kKSteps = kDim / 32;            // k-steps of 32 codes
 constexpr int kTokens = 8;                    // rows per CTA
 constexpr int kMTile = 16;
 
-using Tile = mma::SwizzledTile<kChunks>;
+using Tile = SwizzledTile<kChunks>;
 static_assert(Tile::kRowBytes == kDim);
 
 __host__ __device__ inline int padded_heads_tc(int h_i) {
@@ -84,7 +83,7 @@ struct SmemLayout {
 __device__ __forceinline__ void stage_chunk(uint8_t* smem_base, uint32_t offset, const uint8_t* src,
                                             bool valid) {
   if (!valid || (reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
-    mma::cp_async_16(mma::smem_addr(smem_base + offset), src, valid);
+    cp_async_16(smem_addr(smem_base + offset), src, valid);
     return;
   }
   const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
@@ -173,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int h_pad = padded_heads_tc(p.h_i), m_tiles = h_pad / kMTile;
   const SmemLayout L(h_pad);
   extern __shared__ __align__(128) uint8_t smem[];
-  const uint32_t q_base = mma::smem_addr(smem + L.q), keys_base = mma::smem_addr(smem + L.keys);
+  const uint32_t q_base = smem_addr(smem + L.q), keys_base = smem_addr(smem + L.keys);
   float* gate_s = reinterpret_cast<float*>(smem + L.gate);
   const float* scale_s = reinterpret_cast<const float*>(smem + L.scale);
   const int32_t* loc_s = reinterpret_cast<const int32_t*>(smem + L.loc);
@@ -207,15 +206,15 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (rows.start[s] == start) limit = max(limit, rows.ctx[s]);
       __syncthreads();  // every warp is done with the previous tile
       stage_keys(p, smem, L, tile_begin, start, limit);
-      mma::cp_async_commit();
-      mma::cp_async_wait<0>();
+      cp_async_commit();
+      cp_async_wait<0>();
       __syncthreads();  // keys (and, the first time, queries and gates) visible to all warps
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks)
 #pragma unroll
         for (int jp = 0; jp < kNTiles / 2; ++jp) {
           uint32_t x[4];
-          mma::load_bt_frag_x2n<kChunks>(x, keys_base, warp_key0 + 16 * jp, 2 * ks, lane);
+          load_bt_frag_x2n<kChunks>(x, keys_base, warp_key0 + 16 * jp, 2 * ks, lane);
           b[2 * jp][ks][0] = x[0];
           b[2 * jp][ks][1] = x[1];
           b[2 * jp + 1][ks][0] = x[2];
@@ -246,11 +245,11 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         uint32_t a[4];
-        mma::load_a_frag<kChunks>(a, q_tile, kMTile * mt, 2 * ks, lane);
+        load_a_frag<kChunks>(a, q_tile, kMTile * mt, 2 * ks, lane);
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
           float d[4];
-          mma::mma_e4m3_16832(d, a, b[j][ks][0], b[j][ks][1]);
+          mma_e4m3_16832(d, a, b[j][ks][0], b[j][ks][1]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] += d[e];
         }

@@ -1,5 +1,6 @@
 // indexer_quantize_q: idx_q bf16 [T·H_i, d_i] -> q8 e4m3 [T·H_i, d_i] and the head gate
-// g = idx_w · H_i^-0.5 · d_i^-0.5 · s_q (DESIGN.md §3.2). One warp per (token, head) vector.
+// g = idx_w · H_i^-0.5 · d_i^-0.5 · s_q (docs/design.md#lightning-indexer). One warp per
+// (token, head).
 #include "src/cuda/common/quantize.cuh"
 #include "src/cuda/indexer/indexer_kernels.h"
 

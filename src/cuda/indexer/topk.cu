@@ -1,4 +1,4 @@
-// Per-row top-k (DESIGN.md §3.3): the k largest of logits[row, 0 … n), n = ctx_len[row];
+// Per-row top-k (docs/design.md, "Top-k"): the k largest of logits[row, 0 … n), n = ctx_len[row];
 // ties go to the lower position; NaN ranks below every number; output ascending positions,
 // -1 padded. Rows with n <= k select every position without reading the logits.
 //
@@ -82,8 +82,11 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
 
   const int64_t row = blockIdx.x;
   int32_t* out = p.out + row * int64_t(p.k);
-  const int64_t n = min(max(int64_t(p.ctx_len[row]), int64_t(0)), p.width);
-  if (n <= p.k) {  // identity: every visible position (p.logits may be null when width <= k)
+  // A row seeing at most k positions is the identity and reads no logits (p.logits may be null
+  // when every row is); a longer one reads at most width entries.
+  const int64_t ctx = max(int64_t(p.ctx_len[row]), int64_t(0));
+  const int64_t n = ctx <= p.k ? ctx : min(ctx, p.width);
+  if (n <= p.k) {
     for (int j = threadIdx.x; j < p.k; j += kThreads) out[j] = j < n ? j : -1;
     return;
   }

@@ -66,9 +66,10 @@ __global__ void __launch_bounds__(kThreads) gather_kv_kernel(const GatherKvParam
 cudaError_t launch_gather_kv(const GatherKvParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   if (p.n > INT32_MAX) return cudaErrorInvalidValue;
-  DSAKIT_DISPATCH_KV_LAYOUT(p.row.layout, kLayout, cudaErrorInvalidValue,
-                            gather_kv_kernel<kLayout><<<unsigned(p.n), kThreads, 0, stream>>>(p));
-  return cudaGetLastError();
+  const bool known = dispatch_kv_layout(p.row.layout, [&](auto layout) {
+    gather_kv_kernel<decltype(layout)::value><<<unsigned(p.n), kThreads, 0, stream>>>(p);
+  });
+  return known ? cudaGetLastError() : cudaErrorInvalidValue;
 }
 
 }  // namespace dsakit::cuda

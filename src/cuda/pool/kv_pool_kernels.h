@@ -1,4 +1,4 @@
-// Launchers of the pool kernels (DESIGN.md §4): latent-pool store / gather in all three layouts
+// Launchers of the pool kernels (docs/formats.md): latent-pool store / gather in all three layouts
 // and the indexer-key store. Plain parameter structs; no dsakit API types beyond the format
 // descriptions of dsakit/pool.h. Every location is bound-checked in the kernel: an out-of-range
 // location is skipped by a store and gathers as zeros, never dereferenced.
@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "dsakit/pool.h"
+#include "dsakit/formats.h"
 
 namespace dsakit::cuda {
 

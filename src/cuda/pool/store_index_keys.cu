@@ -1,8 +1,9 @@
 // store_index_keys: quantize indexer keys bf16 [n, d_i] into the index-key pool with the
-// power-of-two scale of DESIGN.md §3.2. One warp per key (common/quantize.cuh). Location l:
+// power-of-two scale of docs/formats.md#scale-rules. One warp per key (common/quantize.cuh).
+// Location l:
 //   page = l / page_size, slot = l % page_size, page_bytes = page_size * (d_i + 4);
-//   codes at page * page_bytes + slot * d_i, scale at page * page_bytes + page_size * d_i + 4 *
-//   slot.
+//   codes at page * page_bytes + slot * d_i,
+//   scale at page * page_bytes + page_size * d_i + 4 * slot.
 #include "src/cuda/common/quantize.cuh"
 #include "src/cuda/pool/kv_pool_kernels.h"
 

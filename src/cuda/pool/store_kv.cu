@@ -65,9 +65,10 @@ cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   if (p.n > INT32_MAX || p.row.d_c % kFp8TileSize != 0 || p.row.d_rope % 8 != 0)
     return cudaErrorInvalidValue;
-  DSAKIT_DISPATCH_KV_LAYOUT(p.row.layout, kLayout, cudaErrorInvalidValue,
-                            store_kv_kernel<kLayout><<<unsigned(p.n), kThreads, 0, stream>>>(p));
-  return cudaGetLastError();
+  const bool known = dispatch_kv_layout(p.row.layout, [&](auto layout) {
+    store_kv_kernel<decltype(layout)::value><<<unsigned(p.n), kThreads, 0, stream>>>(p);
+  });
+  return known ? cudaGetLastError() : cudaErrorInvalidValue;
 }
 
 }  // namespace dsakit::cuda

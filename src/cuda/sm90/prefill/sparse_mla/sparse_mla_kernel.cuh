@@ -1,419 +1,511 @@
-// Sparse MLA kernel (DESIGN.md §3.4) for bf16 q / o_lat, d_c = 512, d_rope = 64.
+// Sparse MLA on Hopper (wgmma, warp-specialized) for bf16 q / o_lat, d_c = 512, d_rope = 64.
 //
-// One CTA of 16 (64 heads) or 8 (16 heads) warps per (token t, group of kHeadsPerCta heads). All
-// heads of a token attend to the same selected latent rows, so each stage gathers 64 selected pool
-// rows once (by location; fp8 codes widened exactly to bf16, scales applied in fp32) and every
-// head of the CTA uses them:
+// One CTA of three warpgroups per (token t, group of 64 heads). Heads are the wgmma M dimension
+// (64 rows; heads >= H are zero rows). The token's selected pool rows are taken 64 at a time
+// (a block); block 2i goes to buffer K0, block 2i + 1 to K1:
 //
-//   S[h, n] = sm_scale · Q[h, 0:576] · KV[n, 0:576]        (16 x kSCols per warp)
-//   O[h, :] = Σ_n softmax_n(S)[h, n] · KV[n, 0:512]        (16 x kVCols per warp)
+//   WG2 (producer): Q once, then every block's rows gathered from the pool by location into the
+//     swizzled tiles of its buffer (bf16 pools: cp.async; fp8 pools: dequantized to bf16
+//     through registers), and a valid flag per slot. Each buffer is two halves with their own
+//     full / empty mbarriers: L = dims [0, 256) (tiles 0-3), R = dims [256, 576) (tiles 4-8).
+//   WG0 / WG1 (consumers): WG b owns block 2i + b of iteration i and output dims
+//     [256b, 256b + 256). It computes S_b = Q·K_bᵀ (64 x 64, K = 576), the online softmax of its
+//     block with the running max the two groups share, P_b·V_b over its own dims (P_b from
+//     registers), and P_(1-b)·V_(1-b) over its own dims with the other group's P from shared
+//     memory. WG0 starts its P·V with its own max and rescales once WG1 has folded in S1's max.
 //
-// Warp w owns m-tile mt = w % kMTiles (16 heads) and column group wc = w / kMTiles: kv columns
-// [wc·kSCols, +kSCols) of S and output dims [wc·kVCols, +kVCols) of O. The kWarpsPerMTile warps
-// of one m-tile exchange their row maxima through shared memory each stage (so all use the same
-// running max) and their partial row sums once at the end; P goes through shared memory because
-// each warp's P·V needs all 64 columns of its rows.
+//   S[h, n] = Q[h, 0:576] · K[n, 0:576],  P = exp2(S · sm_scale · log2 e − m),
+//   O[h, :] = Σ_n P[h, n] · K[n, 0:512] / Σ_n P[h, n]
 //
-// Shared memory (swizzled 16-byte chunks, SwizzledTile):
-//   q      [kHeadsPerCta][576] bf16
-//   kv     [2 stages][64][576] bf16    double buffer: stage b+1 loads while stage b computes
-//   p      [kHeadsPerCta][64]  bf16
-//   red    [kWarpsPerMTile][kHeadsPerCta] f32   row max per stage, row sum at the end
-//   valid  [2 stages][64] i32          slot holds an in-range location
+// Shared memory (bytes; tiles are [64 rows][64 bf16], 128-byte swizzled, 1024-aligned):
+//   Q   [9 tiles]  73728      K0 [9 tiles] 73728      K1 [9 tiles] 73728
+//   P1  [1 tile]    8192      P0 lives in K0's tile 8 (its rope dims: read by S0 only, and
+//                             reloaded by the producer only after WG1 has consumed P0)
+//   mbarriers, valid flags [2][64], row maxima [2][64] (WG0's own, the final one), row sums
+//   [2][64]
+//
+// Synchronization per iteration (named barriers between the consumer groups, 256 threads):
+//   WG0: softmax with max(m, S0) -> smax; arrive MAX0; O += P0·V0L; sync MAX1 (smax = the
+//        final max); P0 rescaled -> smem; arrive P0; wait; release K0.L; rescale O; sync P1;
+//        O += P1·V1L; issue the next S0; wait for P1·V1L; release K1.L.
+//   WG1: sync MAX0; final max = max(smax, S1) -> smax; arrive MAX1; softmax; O += P1·V1R;
+//        P1 -> smem; arrive P1; sync P0; O += P0·V0R; wait; release K1.R, K0.R; next S1.
+// A group passes MAX0 of iteration i + 1 only after WG0's P1·V1L of iteration i has completed,
+// so P1's buffer is free when WG1 writes it again.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "src/cuda/attention/warp_mma.cuh"
+#include "src/cuda/attention/sparse_mla_params.h"
+#include "src/cuda/common/hopper.cuh"
 #include "src/cuda/common/launch.h"
-#include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_params.h"
 
 namespace dsakit::cuda::sparse_mla {
 
-using namespace dsakit::cuda::attention;
+struct Sm90Config {
+  static constexpr int kHeads = 64;                     // heads per CTA (wgmma M)
+  static constexpr int kBlock = 64;                     // selected rows per block (S's N, P·V's K)
+  static constexpr int kTiles = kDimQk / 64;            // 9 column tiles of a 576-wide row
+  static constexpr int kLatentTiles = kDimLatent / 64;  // 8
+  static constexpr int kHalfTiles = 4;                  // tiles of the L half; R is tiles 4-8
+  static constexpr int kTileBytes = 64 * 128;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerRegs = 224;
+  static constexpr int kProducerRegs = 56;
 
-template <int kHeadsPerCta, KvLayout kLayout>
-struct SparseMlaTraits {
-  static_assert(kHeadsPerCta == 16 || kHeadsPerCta == 64, "head groups of 16 or 64");
-  // 16 warps for 64 heads keep the O accumulator at 64 fp32 registers per thread.
-  static constexpr int kWarps = kHeadsPerCta == 64 ? 16 : 8;
-  static constexpr int kThreads = kWarps * kWarpSize;
-  static constexpr int kBlockKv = 64;                         // selected rows per stage
-  static constexpr int kChunksQk = kDimQk / 8;                // 72 chunks per 576-wide row
-  static constexpr int kChunksP = kBlockKv / 8;               // 8 chunks per P row
-  static constexpr int kMTiles = kHeadsPerCta / 16;           // 4 | 1
-  static constexpr int kWarpsPerMTile = kWarps / kMTiles;     // 4 | 8
-  static constexpr int kSCols = kBlockKv / kWarpsPerMTile;    // 16 | 8 kv columns of S per warp
-  static constexpr int kSTiles = kSCols / 8;                  // 2 | 1
-  static constexpr int kVCols = kDimLatent / kWarpsPerMTile;  // 128 | 64 output dims per warp
-  static constexpr int kVTiles = kVCols / 8;                  // 16 | 8
-  static_assert(kSTiles == 1 || kSTiles % 2 == 0);
-  static_assert(kVTiles % 2 == 0);
-
-  // Gather: kThreadsPerRow threads per selected row, each moving every kThreadsPerRow-th chunk.
-  static constexpr int kThreadsPerRow = 8;
-  static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;       // 64 | 32
-  static constexpr int kPasses = kBlockKv / kRowsPerPass;              // 1 | 2
-  static constexpr int kChunksPerThread = kChunksQk / kThreadsPerRow;  // 9
-  static_assert(kChunksQk % kThreadsPerRow == 0 && kBlockKv % kRowsPerPass == 0);
-
-  static constexpr int kQBytes = kHeadsPerCta * kChunksQk * 16;
-  static constexpr int kStageBytes = kBlockKv * kChunksQk * 16;
-  static constexpr int kPBytes = kHeadsPerCta * kChunksP * 16;
-  static constexpr int kRedBytes = kWarpsPerMTile * kHeadsPerCta * 4;
-  // fp8 rows keep their e4m3 codes (exact in bf16) in the stage; scales are applied in fp32:
-  // fp8 per (row, 128-dim tile) from `scales`, fp8-raw's single k_scale to S and O.
-  static constexpr bool kTileScales = kLayout == KvLayout::kFp8Scaled;
-  static constexpr int kScaleTiles = kDimLatent / kFp8TileSize;  // 4
-  // Slot validity: a flag per slot, or for fp8 a positive first tile scale (store_kv's scales
-  // are >= FLT_MIN; an invalid slot gets 0), which keeps 64 heads within 227 KB.
-  static constexpr int kValidBytes = kTileScales ? 0 : 2 * kBlockKv * 4;
-  static constexpr int kScaleBytes = kTileScales ? 2 * kBlockKv * kScaleTiles * 4 : 0;
-
-  static constexpr int kQOffset = 0;
-  static constexpr int kKvOffset = kQOffset + kQBytes;
-  static constexpr int kPOffset = kKvOffset + 2 * kStageBytes;
-  static constexpr int kRedOffset = kPOffset + kPBytes;
-  static constexpr int kValidOffset = kRedOffset + kRedBytes;
-  static constexpr int kScaleOffset = kValidOffset + kValidBytes;
-  static constexpr int kSmemBytes = kScaleOffset + kScaleBytes;
+  static constexpr int kQ = 0;
+  static constexpr int kK0 = kQ + kTiles * kTileBytes;
+  static constexpr int kK1 = kK0 + kTiles * kTileBytes;
+  static constexpr int kP1 = kK1 + kTiles * kTileBytes;
+  static constexpr int kP0 = kK0 + kLatentTiles * kTileBytes;  // K0's rope tile
+  // mbarriers: q_full, k_full[buffer][half], k_empty[buffer][half], valid_full.
+  static constexpr int kBars = kP1 + kTileBytes;
+  static constexpr int kBarQFull = kBars;
+  static constexpr int kBarKFull = kBars + 8;    // + 8 * (2 * buffer + half)
+  static constexpr int kBarKEmpty = kBars + 40;  // + 8 * (2 * buffer + half)
+  static constexpr int kBarValid = kBars + 72;
+  static constexpr int kValid = kBars + 80;                 // u8 [2][64]
+  static constexpr int kRowMax = kValid + 2 * kBlock;       // f32 [2][64], [b]: written by WG b
+  static constexpr int kRowSum = kRowMax + 2 * 4 * kHeads;  // f32 [2][64]
+  static constexpr int kSmemBytes = kRowSum + 2 * 4 * kHeads;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
+  static_assert(kK0 % 1024 == 0 && kK1 % 1024 == 0 && kP1 % 1024 == 0 && kP0 % 1024 == 0);
+
+  // Named barriers between the two consumer groups.
+  static constexpr int kSyncMax0 = 1, kSyncMax1 = 2, kSyncP0 = 3, kSyncP1 = 4, kSyncSum = 5;
 };
 
-// Eight e4m3 codes as their exact bf16 values, one 16-byte chunk.
-__device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes) {
-  const uint32_t words[2] = {codes.x, codes.y};
-  uint32_t out[4];
+// Byte offset of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled tile.
+__device__ __forceinline__ uint32_t swizzled_chunk(int row, int chunk) {
+  return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+// ---- producer -----------------------------------------------------------------------------
+
+// The producer's share of one block: rows group + 16 i (i < 4) of the block, their locations
+// and validity (slot < num_slots, location in range).
+struct BlockRows {
+  int64_t loc[4];
+  bool ok[4];
+};
+
+__device__ __forceinline__ BlockRows block_rows(const SparseMlaParams& p, const int32_t* slots,
+                                                int block, int num_slots, int group) {
+  BlockRows r;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i >> 1] >> (16 * (i & 1)));
-    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
-    const float2 f = __half22float2(h);
-    out[i] = pack_bf16x2(f.x, f.y);
+    const int slot = block * Sm90Config::kBlock + group + 16 * i;
+    const int64_t loc = slot < num_slots ? int64_t(__ldg(slots + slot)) : int64_t(-1);
+    r.ok[i] = loc >= 0 && loc < p.num_locations;
+    r.loc[i] = r.ok[i] ? loc : 0;
   }
-  return make_uint4(out[0], out[1], out[2], out[3]);
+  return r;
 }
 
-// Gathers the 64 selected rows of slots [slot0, slot0 + 64) into one kv stage as bf16
-// [64][576] (fp8: the codes; their scales into `scales` [64][4]) and records which slots are
-// valid. Invalid slots (past num_slots, location out of range) are zero-filled and their
-// locations never dereferenced.
-template <int kHeadsPerCta, KvLayout kLayout>
-__device__ __forceinline__ void load_kv_stage(const SparseMlaParams& p, const int32_t* slot_locs,
-                                              int slot0, int num_slots, char* stage, int32_t* valid,
-                                              float* scales, int tid) {
-  using Tr = SparseMlaTraits<kHeadsPerCta, kLayout>;
-  using Tile = SwizzledTile<Tr::kChunksQk>;
-  using Row = PoolRow<kLayout>;
-  const uint32_t stage_addr = smem_addr(stage);
-  const int sub = tid % Tr::kThreadsPerRow;
+// Gathers tiles [tile_begin, tile_end) of a block's rows into `buffer`: chunk `lane8` of each
+// tile row, invalid rows zero-filled. bf16 rows only (cp.async straight into the tiles).
+template <KvLayout kLayout>
+__device__ __forceinline__ void load_half(const SparseMlaParams& p, const BlockRows& rows,
+                                          uint32_t buffer, int tile_begin, int tile_end, int group,
+                                          int lane8) {
+  static_assert(kLayout == KvLayout::kBf16, "fp8 pools: see load_half_fp8");
+  constexpr int kRowBytes = PoolRow<kLayout>::kBytes;
 #pragma unroll
-  for (int pass = 0; pass < Tr::kPasses; ++pass) {
-    const int row = pass * Tr::kRowsPerPass + tid / Tr::kThreadsPerRow;
-    const int slot = slot0 + row;
-    const int64_t loc = slot < num_slots ? int64_t(slot_locs[slot]) : int64_t(-1);
-    const bool ok = loc >= 0 && loc < p.num_locations;
-    if constexpr (!Tr::kTileScales) {
-      if (sub == 0) valid[row] = ok ? 1 : 0;
+  for (int i = 0; i < 4; ++i) {
+    const int row = group + 16 * i;
+    const uint8_t* src = p.kv_pool + rows.loc[i] * kRowBytes + lane8 * 16;
+#pragma unroll
+    for (int tile = tile_begin; tile < tile_end; ++tile)
+      sm90::cp_async_16_prefetch(
+          buffer + tile * Sm90Config::kTileBytes + swizzled_chunk(row, lane8), src + tile * 128,
+          rows.ok[i]);
+  }
+}
+
+// ---- consumers ----------------------------------------------------------------------------
+
+// S = Q · K_bᵀ over column tiles [kFirst, kFirst + kCount), accumulating after the first MMA
+// unless `accumulate`.
+template <int kFirst, int kCount>
+__device__ __forceinline__ void issue_qk_tiles(float (&s)[32], uint32_t q, uint32_t k,
+                                               bool accumulate) {
+  const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
+  const uint64_t dk = sm90::smem_desc_sw128(k, 16, 1024);
+#pragma unroll
+  for (int tile = kFirst; tile < kFirst + kCount; ++tile)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t offset = uint64_t(tile * Sm90Config::kTileBytes + ks * 32) >> 4;
+      sm90::wgmma_m64n64k16_ss<0>(s, dq + offset, dk + offset,
+                                  accumulate || tile > kFirst || ks > 0);
     }
-    const uint8_t* src = p.kv_pool + (ok ? loc : 0) * Row::kBytes;
-    if constexpr (kLayout == KvLayout::kBf16) {
-#pragma unroll
-      for (int j = 0; j < Tr::kChunksPerThread; ++j) {
-        const int chunk = sub + j * Tr::kThreadsPerRow;
-        cp_async_16(stage_addr + Tile::offset(row, chunk), src + chunk * 16, ok);
-      }
-    } else {
-      // fp8: c_kv chunks (and fp8-raw's rope chunks) are dequantized through registers; the fp8
-      // layout's bf16 rope chunks are copied as they are.
-      constexpr bool kRawRope = kLayout == KvLayout::kFp8Raw;
-      constexpr int kDequantChunks = kRawRope ? Tr::kChunksQk : kDimLatent / 8;
-      if constexpr (Tr::kTileScales) {
-        if (sub < Tr::kScaleTiles)
-          scales[row * Tr::kScaleTiles + sub] =
-              ok ? __ldg(reinterpret_cast<const float*>(src + Row::kScalesOffset) + sub) : 0.f;
-      }
-      uint2 codes[Tr::kChunksPerThread];
-#pragma unroll
-      for (int j = 0; j < Tr::kChunksPerThread; ++j) {
-        const int chunk = sub + j * Tr::kThreadsPerRow;
-        codes[j] = make_uint2(0u, 0u);
-        if (chunk < kDequantChunks && ok)
-          codes[j] = __ldg(reinterpret_cast<const uint2*>(src + chunk * 8));
-      }
-#pragma unroll
-      for (int j = 0; j < Tr::kChunksPerThread; ++j) {
-        const int chunk = sub + j * Tr::kThreadsPerRow;
-        if (chunk < kDequantChunks) {
-          *reinterpret_cast<uint4*>(stage + Tile::offset(row, chunk)) =
-              ok ? e4m3x8_to_bf16(codes[j]) : make_uint4(0u, 0u, 0u, 0u);
-        } else {
-          const int rope_chunk = chunk - kDequantChunks;
-          cp_async_16(stage_addr + Tile::offset(row, chunk),
-                      src + Row::kRopeOffset + rope_chunk * 16, ok);
-        }
-      }
-    }
-  }
 }
 
-// Q rows of heads [head0, head0 + kHeadsPerCta) of token t as bf16 [kHeadsPerCta][576];
-// heads >= H are zero-filled.
-template <int kHeadsPerCta, KvLayout kLayout>
-__device__ __forceinline__ void load_q(const SparseMlaParams& p, int64_t t, int head0, char* q,
-                                       int tid) {
-  using Tr = SparseMlaTraits<kHeadsPerCta, kLayout>;
-  using Tile = SwizzledTile<Tr::kChunksQk>;
-  constexpr int kLatentChunks = kDimLatent / 8;
-  const uint32_t q_addr = smem_addr(q);
-  for (int i = tid; i < kHeadsPerCta * Tr::kChunksQk; i += Tr::kThreads) {
-    const int row = i / Tr::kChunksQk, chunk = i % Tr::kChunksQk;
-    const int head = head0 + row;
-    const bool ok = head < p.num_heads;
-    const int64_t th = t * p.num_heads + (ok ? head : 0);
-    const bf16_t* src = chunk < kLatentChunks
-                            ? p.q_abs + th * kDimLatent + chunk * 8
-                            : p.q_pe + th * kDimRope + (chunk - kLatentChunks) * 8;
-    cp_async_16(q_addr + Tile::offset(row, chunk), src, ok);
-  }
+// O[64 x 256] += P · V over one block: P from registers (a[ks]: keys 16 ks ..), V = tiles
+// [v_tile, v_tile + 4) of a buffer, MN-major.
+__device__ __forceinline__ void issue_pv_rs(float (&o)[128], const uint32_t (&a)[4][4],
+                                            uint32_t v) {
+  const uint64_t dv = sm90::smem_desc_sw128(v, Sm90Config::kTileBytes, 1024);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    sm90::wgmma_m64n256k16_rs<1>(o, a[ks], dv + uint64_t(ks * 2048 >> 4), 1);
 }
 
-template <int kHeadsPerCta, KvLayout kLayout>
-__global__ void __launch_bounds__(SparseMlaTraits<kHeadsPerCta, kLayout>::kThreads, 1)
-    sparse_mla_kernel(const SparseMlaParams p) {
-  using Tr = SparseMlaTraits<kHeadsPerCta, kLayout>;
-  extern __shared__ __align__(128) char smem[];
-  char* q_smem = smem + Tr::kQOffset;
-  char* p_smem = smem + Tr::kPOffset;
-  float* red = reinterpret_cast<float*>(smem + Tr::kRedOffset);          // [kWarpsPerMTile][heads]
-  int32_t* valid = reinterpret_cast<int32_t*>(smem + Tr::kValidOffset);  // [2][kBlockKv]
-  float* scales = reinterpret_cast<float*>(smem + Tr::kScaleOffset);     // fp8: [2][kBlockKv][4]
-  const uint32_t q_addr = smem_addr(q_smem);
-  const uint32_t p_addr = smem_addr(p_smem);
+// The same with P from a shared-memory tile (K-major: row = head, 64 keys).
+__device__ __forceinline__ void issue_pv_ss(float (&o)[128], uint32_t p, uint32_t v) {
+  const uint64_t dp = sm90::smem_desc_sw128(p, 16, 1024);
+  const uint64_t dv = sm90::smem_desc_sw128(v, Sm90Config::kTileBytes, 1024);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    sm90::wgmma_m64n256k16_ss<1>(o, dp + uint64_t(ks * 32 >> 4), dv + uint64_t(ks * 2048 >> 4), 1);
+}
 
-  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int mt = warp % Tr::kMTiles, wc = warp / Tr::kMTiles;
-  const int g = lane / 4, q = lane % 4;
-  const int row0 = mt * 16 + g;  // this thread's accumulator rows: row0 and row0 + 8
+// P (fp32, the S accumulator layout) as bf16 A fragments, one per 16 keys.
+__device__ __forceinline__ void p_fragments(const float (&s)[32], uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[ks][i] = pack_bf16x2(s[8 * ks + 2 * i], s[8 * ks + 2 * i + 1]);
+}
 
-  const int num_groups = (p.num_heads + kHeadsPerCta - 1) / kHeadsPerCta;
+// Writes the A fragments of this warp's 16 rows into a swizzled [64][64] bf16 tile.
+__device__ __forceinline__ void store_p(const uint32_t (&a)[4][4], uint32_t tile, int warp,
+                                        int lane) {
+  const int row = 16 * warp + ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    sm90::stmatrix_x4(tile + swizzled_chunk(row, 2 * ks + (lane >> 4)), a[ks][0], a[ks][1],
+                      a[ks][2], a[ks][3]);
+}
+
+template <KvLayout kLayout>
+__global__ void __launch_bounds__(Sm90Config::kThreads, 1)
+    sparse_mla_sm90_kernel(const __grid_constant__ SparseMlaParams p) {
+  using C = Sm90Config;
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t base = smem_addr(smem);
+  const uint32_t q_tiles = base + C::kQ;
+  const uint32_t k0_tiles = base + C::kK0, k1_tiles = base + C::kK1;
+  const uint32_t bar_q = base + C::kBarQFull;
+  const auto bar_full = [&](int buffer, int half) {
+    return base + C::kBarKFull + 16 * buffer + 8 * half;
+  };
+  const auto bar_empty = [&](int buffer, int half) {
+    return base + C::kBarKEmpty + 16 * buffer + 8 * half;
+  };
+  const uint32_t bar_valid = base + C::kBarValid;
+  uint8_t* valid = reinterpret_cast<uint8_t*>(smem + C::kValid);  // [2][64]
+  float* row_max = reinterpret_cast<float*>(smem + C::kRowMax);   // [2][64]
+  float* row_sum = reinterpret_cast<float*>(smem + C::kRowSum);   // [2][64]
+
+  const int num_groups = (p.num_heads + C::kHeads - 1) / C::kHeads;
   const int64_t t = blockIdx.x / num_groups;
-  const int head0 = int(blockIdx.x % num_groups) * kHeadsPerCta;
-
+  const int head0 = int(blockIdx.x % num_groups) * C::kHeads;
   int num_slots = p.topk;
   if (p.topk_length != nullptr) num_slots = min(max(p.topk_length[t], 0), p.topk);
-  const int num_blocks = (num_slots + Tr::kBlockKv - 1) / Tr::kBlockKv;
-  const int32_t* slot_locs = p.indices + t * p.topk;
+  const int num_iters = (num_slots + 2 * C::kBlock - 1) / (2 * C::kBlock);
+  const int32_t* slots = p.indices + t * p.topk;
 
-  load_q<kHeadsPerCta, kLayout>(p, t, head0, q_smem, tid);
-  if (num_blocks > 0)
-    load_kv_stage<kHeadsPerCta, kLayout>(p, slot_locs, 0, num_slots, smem + Tr::kKvOffset, valid,
-                                         scales, tid);
-  cp_async_commit();
-
-  // fp8-raw: every stored value is code * k_scale, so k_scale multiplies S and O.
-  const float value_scale = kLayout == KvLayout::kFp8Raw ? p.k_scale : 1.f;
-  const float scale_log2 = p.sm_scale * value_scale * kLog2e;
-  float acc_o[Tr::kVTiles][4];
-#pragma unroll
-  for (int j = 0; j < Tr::kVTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[j][e] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, shared by the m-tile's warps
-  float row_sum[2] = {0.f, 0.f};              // this thread's columns only
-
-  for (int b = 0; b < num_blocks; ++b) {
-    const int stage = b & 1;
-    if (b + 1 < num_blocks)
-      load_kv_stage<kHeadsPerCta, kLayout>(
-          p, slot_locs, (b + 1) * Tr::kBlockKv, num_slots,
-          smem + Tr::kKvOffset + (stage ^ 1) * Tr::kStageBytes, valid + (stage ^ 1) * Tr::kBlockKv,
-          scales + (stage ^ 1) * Tr::kBlockKv * Tr::kScaleTiles, tid);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();  // stage b (and Q) visible to every warp
-
-    const uint32_t kv_addr = smem_addr(smem + Tr::kKvOffset + stage * Tr::kStageBytes);
-    const int32_t* stage_valid = valid + stage * Tr::kBlockKv;
-    const float* stage_scales = scales + stage * Tr::kBlockKv * Tr::kScaleTiles;
-
-    // S = Q · KV^T over the 576 key dims; k-steps [ks_begin, ks_end) accumulate into acc.
-    const auto qk_steps = [&](float(&acc)[Tr::kSTiles][4], int ks_begin, int ks_end) {
-#pragma unroll
-      for (int j = 0; j < Tr::kSTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-#pragma unroll 4
-      for (int ks = ks_begin; ks < ks_end; ++ks) {
-        uint32_t a[4];
-        load_a_frag<Tr::kChunksQk>(a, q_addr, mt * 16, 2 * ks, lane);
-        if constexpr (Tr::kSTiles == 1) {
-          uint32_t bf[2];
-          load_bt_frag_x1n<Tr::kChunksQk>(bf, kv_addr, wc * Tr::kSCols, 2 * ks, lane);
-          mma_bf16_16816(acc[0], a, bf[0], bf[1]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < Tr::kSTiles; j += 2) {
-            uint32_t bf[4];
-            load_bt_frag_x2n<Tr::kChunksQk>(bf, kv_addr, wc * Tr::kSCols + j * 8, 2 * ks, lane);
-            mma_bf16_16816(acc[j], a, bf[0], bf[1]);
-            mma_bf16_16816(acc[j + 1], a, bf[2], bf[3]);
-          }
-        }
+  if (threadIdx.x == 0) {
+    sm90::mbarrier_init(bar_q, 128);
+    for (int b = 0; b < 2; ++b)
+      for (int h = 0; h < 2; ++h) {
+        sm90::mbarrier_init(bar_full(b, h), 128);
+        sm90::mbarrier_init(bar_empty(b, h), 128);
       }
-    };
-    float acc_s[Tr::kSTiles][4];
-    if constexpr (Tr::kTileScales) {
-      // Σ over 128-dim tiles of scale[n][tile] · (q_tile · codes_tile), then the bf16 rope dims.
-      constexpr int kStepsPerTile = kFp8TileSize / 16;
-      qk_steps(acc_s, Tr::kScaleTiles * kStepsPerTile, kDimQk / 16);
-#pragma unroll
-      for (int tile = 0; tile < Tr::kScaleTiles; ++tile) {
-        float part[Tr::kSTiles][4];
-        qk_steps(part, tile * kStepsPerTile, (tile + 1) * kStepsPerTile);
-#pragma unroll
-        for (int j = 0; j < Tr::kSTiles; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = wc * Tr::kSCols + j * 8 + 2 * q + (e & 1);
-            acc_s[j][e] += part[j][e] * stage_scales[col * Tr::kScaleTiles + tile];
-          }
-      }
-    } else {
-      qk_steps(acc_s, 0, kDimQk / 16);
-    }
-
-    // Scale into the log2 domain, mask invalid slots, and share this warp's row maxima.
-    float block_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < Tr::kSTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = wc * Tr::kSCols + j * 8 + 2 * q + (e & 1);
-        const bool slot_valid =
-            Tr::kTileScales ? stage_scales[col * Tr::kScaleTiles] > 0.f : stage_valid[col] != 0;
-        acc_s[j][e] = slot_valid ? acc_s[j][e] * scale_log2 : -INFINITY;
-        block_max[e >> 1] = fmaxf(block_max[e >> 1], acc_s[j][e]);
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      block_max[r] = quad_max(block_max[r]);
-      if (q == 0) red[wc * kHeadsPerCta + row0 + 8 * r] = block_max[r];
-    }
-    __syncthreads();
-
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float m_new = row_max[r];
-#pragma unroll
-      for (int w = 0; w < Tr::kWarpsPerMTile; ++w)
-        m_new = fmaxf(m_new, red[w * kHeadsPerCta + row0 + 8 * r]);
-      alpha[r] = exp2f(row_max[r] - softmax_offset(m_new));
-      row_max[r] = m_new;
-      row_sum[r] *= alpha[r];
-    }
-
-    // P = exp2(S - m) as bf16 into shared memory (row = head, col = slot in the stage).
-#pragma unroll
-    for (int j = 0; j < Tr::kSTiles; ++j)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float off = softmax_offset(row_max[r]);
-        const float p0 = exp2f(acc_s[j][2 * r] - off);
-        const float p1 = exp2f(acc_s[j][2 * r + 1] - off);
-        row_sum[r] += p0 + p1;
-        const int col = wc * Tr::kSCols + j * 8 + 2 * q;
-        *reinterpret_cast<uint32_t*>(
-            p_smem + SwizzledTile<Tr::kChunksP>::offset(row0 + 8 * r, col / 8) + (col % 8) * 2) =
-            pack_bf16x2(p0, p1);
-      }
-#pragma unroll
-    for (int j = 0; j < Tr::kVTiles; ++j) {
-      acc_o[j][0] *= alpha[0];
-      acc_o[j][1] *= alpha[0];
-      acc_o[j][2] *= alpha[1];
-      acc_o[j][3] *= alpha[1];
-    }
-    __syncthreads();  // P complete
-
-    // O += P · V, V = the first 512 dims of the stage's rows.
-#pragma unroll
-    for (int ks = 0; ks < Tr::kBlockKv / 16; ++ks) {
-      uint32_t a[4];
-      load_a_frag<Tr::kChunksP>(a, p_addr, mt * 16, 2 * ks, lane);
-      if constexpr (Tr::kTileScales) {
-        // The warp's output dims lie in one scale tile: fold scale[n][tile] into P's columns.
-        static_assert(kFp8TileSize % Tr::kVCols == 0);
-        const float* col_scales = stage_scales + (wc * Tr::kVCols) / kFp8TileSize;
-        const int n = ks * 16 + 2 * q;
-        const float s0 = col_scales[n * Tr::kScaleTiles],
-                    s1 = col_scales[(n + 1) * Tr::kScaleTiles];
-        const float s8 = col_scales[(n + 8) * Tr::kScaleTiles];
-        const float s9 = col_scales[(n + 9) * Tr::kScaleTiles];
-        a[0] = scale_bf16x2(a[0], s0, s1);
-        a[1] = scale_bf16x2(a[1], s0, s1);
-        a[2] = scale_bf16x2(a[2], s8, s9);
-        a[3] = scale_bf16x2(a[3], s8, s9);
-      }
-#pragma unroll
-      for (int j = 0; j < Tr::kVTiles; j += 2) {
-        uint32_t bf[4];
-        load_b_frag_x2n<Tr::kChunksQk>(bf, kv_addr, ks * 16, (wc * Tr::kVCols) / 8 + j, lane);
-        mma_bf16_16816(acc_o[j], a, bf[0], bf[1]);
-        mma_bf16_16816(acc_o[j + 1], a, bf[2], bf[3]);
-      }
-    }
-    __syncthreads();  // the stage, P and red are rewritten next iteration
-  }
-  cp_async_wait<0>();
-
-  // Combine the row sums of the m-tile's warps (fixed order: deterministic), then normalize.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] = quad_sum(row_sum[r]);
-    if (q == 0) red[wc * kHeadsPerCta + row0 + 8 * r] = row_sum[r];
+    sm90::mbarrier_init(bar_valid, 128);
+    sm90::fence_barrier_init();
   }
   __syncthreads();
-  float inv_sum[2];
+
+  // The warpgroup index, warp-uniform as the compiler sees it (wgmma must not sit on a path it
+  // considers divergent).
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), wtid = threadIdx.x % 128;
+  if (wg == 2) {
+    // ---- producer ----------------------------------------------------------------------------
+    sm90::setmaxnreg_dec<C::kProducerRegs>();
+    const int group = wtid / 8, lane8 = wtid % 8;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = 0.f;
+    for (int i = 0; i < 4; ++i) {
+      const int row = group + 16 * i, head = head0 + row;
+      const bool ok = head < p.num_heads;
+      const int64_t h = ok ? head : 0;
+      const bf16_t* latent =
+          p.q_abs + t * p.q_abs_token_stride + h * p.q_abs_head_stride + lane8 * 8;
 #pragma unroll
-    for (int w = 0; w < Tr::kWarpsPerMTile; ++w) l += red[w * kHeadsPerCta + row0 + 8 * r];
-    // l == 0 exactly when no slot was valid (the max slot contributes 1); NaN propagates.
-    inv_sum[r] = l == 0.f ? 0.f : value_scale / l;
-    const int head = head0 + row0 + 8 * r;
-    if (wc == 0 && q == 0 && head < p.num_heads)
-      p.lse[t * p.num_heads + head] = l == 0.f ? INFINITY : (row_max[r] + log2f(l)) * kLn2;
+      for (int tile = 0; tile < C::kLatentTiles; ++tile)
+        sm90::cp_async_16_prefetch(q_tiles + tile * C::kTileBytes + swizzled_chunk(row, lane8),
+                                   latent + tile * 64, ok);
+      sm90::cp_async_16_prefetch(
+          q_tiles + C::kLatentTiles * C::kTileBytes + swizzled_chunk(row, lane8),
+          p.q_pe + t * p.q_pe_token_stride + h * p.q_pe_head_stride + lane8 * 8, ok);
+    }
+    sm90::cp_async_mbarrier_arrive(bar_q);
+
+    for (int it = 0; it < num_iters; ++it) {
+      const uint32_t free_phase = (it & 1) ^ 1;
+      const BlockRows rows0 = block_rows(p, slots, 2 * it, num_slots, group);
+      const BlockRows rows1 = block_rows(p, slots, 2 * it + 1, num_slots, group);
+      // In the order the consumers release the halves: K0.L, K1.R, K0.R, K1.L.
+      sm90::mbarrier_wait(bar_empty(0, 0), free_phase);
+      load_half<kLayout>(p, rows0, k0_tiles, 0, C::kHalfTiles, group, lane8);
+      sm90::cp_async_mbarrier_arrive(bar_full(0, 0));
+      sm90::mbarrier_wait(bar_empty(1, 1), free_phase);
+      load_half<kLayout>(p, rows1, k1_tiles, C::kHalfTiles, C::kTiles, group, lane8);
+      sm90::cp_async_mbarrier_arrive(bar_full(1, 1));
+      sm90::mbarrier_wait(bar_empty(0, 1), free_phase);
+      load_half<kLayout>(p, rows0, k0_tiles, C::kHalfTiles, C::kTiles, group, lane8);
+      sm90::cp_async_mbarrier_arrive(bar_full(0, 1));
+      sm90::mbarrier_wait(bar_empty(1, 0), free_phase);
+      load_half<kLayout>(p, rows1, k1_tiles, 0, C::kHalfTiles, group, lane8);
+      sm90::cp_async_mbarrier_arrive(bar_full(1, 0));
+      // Every consumer has masked the previous iteration (all four halves were released).
+      if (lane8 == 0)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          valid[group + 16 * i] = rows0.ok[i];
+          valid[C::kBlock + group + 16 * i] = rows1.ok[i];
+        }
+      sm90::mbarrier_arrive(bar_valid);
+    }
+    cp_async_wait<0>();
+    return;
   }
+
+  // ---- consumers ----------------------------------------------------------------------------
+  sm90::setmaxnreg_inc<C::kConsumerRegs>();
+  const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
+  const int row0 = 16 * warp + g;  // this thread's rows: row0, row0 + 8
+  // fp8-raw: every stored value is code · k_scale, so k_scale multiplies S and O.
+  const float value_scale = kLayout == KvLayout::kFp8Raw ? p.k_scale : 1.f;
+  const float scale_log2 = p.sm_scale * value_scale * kLog2e;
+  const uint32_t k_own = wg == 0 ? k0_tiles : k1_tiles;
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float s[32];
+  float m[2] = {-1e30f, -1e30f};  // running max, log2 domain (finite: exp2(m - m) stays 1)
+  float l[2] = {0.f, 0.f};        // running sum of this thread's columns
+
+  // S of block 2 it + wg. WG0 reads its buffer L then R, WG1 R then L: the order the producer
+  // fills them.
+  const auto issue_qk = [&](int it) {
+    const uint32_t phase = it & 1;
+    constexpr int kL = C::kHalfTiles, kR = C::kTiles - C::kHalfTiles;
+    if (wg == 0) {
+      sm90::mbarrier_wait(bar_full(0, 0), phase);
+      sm90::wgmma_fence();
+      issue_qk_tiles<0, kL>(s, q_tiles, k_own, false);
+      sm90::mbarrier_wait(bar_full(0, 1), phase);
+      sm90::wgmma_fence();
+      issue_qk_tiles<kL, kR>(s, q_tiles, k_own, true);
+    } else {
+      sm90::mbarrier_wait(bar_full(1, 1), phase);
+      sm90::wgmma_fence();
+      issue_qk_tiles<kL, kR>(s, q_tiles, k_own, false);
+      sm90::mbarrier_wait(bar_full(1, 0), phase);
+      sm90::wgmma_fence();
+      issue_qk_tiles<0, kL>(s, q_tiles, k_own, true);
+    }
+    sm90::wgmma_commit();
+  };
+
+  if (num_iters > 0) {
+    sm90::mbarrier_wait(bar_q, 0);
+    sm90::fence_operands(s);
+    issue_qk(0);
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(s);
+  }
+
+  for (int it = 0; it < num_iters; ++it) {
+    // ---- mask, scale, block max ---------------------------------------------------------------
+    sm90::mbarrier_wait(bar_valid, it & 1);
+    const uint8_t* slot_ok = valid + wg * C::kBlock;
+    float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = 8 * j + 2 * q;
+      const bool ok0 = slot_ok[col] != 0, ok1 = slot_ok[col + 1] != 0;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float& s0 = s[4 * j + 2 * r];
+        float& s1 = s[4 * j + 2 * r + 1];
+        s0 = ok0 ? s0 * scale_log2 : -INFINITY;
+        s1 = ok1 ? s1 * scale_log2 : -INFINITY;
+        block_max[r] = fmaxf(block_max[r], fmaxf(s0, s1));
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) block_max[r] = quad_max(block_max[r]);
+
+    uint32_t a[4][4];
+    const auto softmax = [&](const float(&m_new)[2]) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float alpha = exp2f(m[r] - m_new[r]);
+        l[r] *= alpha;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j + 2 * r] *= alpha;
+          o[4 * j + 2 * r + 1] *= alpha;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          float& s0 = s[4 * j + 2 * r];
+          float& s1 = s[4 * j + 2 * r + 1];
+          s0 = exp2f(s0 - m_new[r]);
+          s1 = exp2f(s1 - m_new[r]);
+          l[r] += s0 + s1;
+        }
+        m[r] = m_new[r];
+      }
+    };
+
+    if (wg == 0) {
+      float m_own[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        m_own[r] = fmaxf(m[r], block_max[r]);
+        if (q == 0) row_max[row0 + 8 * r] = m_own[r];  // WG0's max
+      }
+      softmax(m_own);
+      sm90::named_barrier_arrive(C::kSyncMax0, 256);
+      p_fragments(s, a);
+      sm90::fence_operands(o);
+      sm90::wgmma_fence();
+      issue_pv_rs(o, a, k0_tiles);
+      sm90::wgmma_commit();
+
+      // The final max of both blocks: rescale this block's P for WG1 and (below) O and l.
+      sm90::named_barrier_sync(C::kSyncMax1, 256);
+      float beta[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_final = row_max[C::kHeads + row0 + 8 * r];
+        beta[r] = exp2f(m[r] - m_final);
+        m[r] = m_final;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          s[4 * j + 2 * r] *= beta[r];
+          s[4 * j + 2 * r + 1] *= beta[r];
+        }
+      }
+      uint32_t shared_p[4][4];
+      p_fragments(s, shared_p);
+      store_p(shared_p, base + C::kP0, warp, lane);
+      sm90::fence_proxy_async_shared();
+      sm90::named_barrier_arrive(C::kSyncP0, 256);
+
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(o);
+      sm90::fence_operands(a);
+      sm90::mbarrier_arrive(bar_empty(0, 0));
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        l[r] *= beta[r];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j + 2 * r] *= beta[r];
+          o[4 * j + 2 * r + 1] *= beta[r];
+        }
+      }
+      sm90::named_barrier_sync(C::kSyncP1, 256);
+      sm90::fence_operands(o);
+      sm90::wgmma_fence();
+      issue_pv_ss(o, base + C::kP1, k1_tiles);
+      sm90::wgmma_commit();
+      if (it + 1 < num_iters) {
+        sm90::fence_operands(s);
+        issue_qk(it + 1);
+        sm90::wgmma_wait<1>();
+        sm90::mbarrier_arrive(bar_empty(1, 0));
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(s);
+      } else {
+        sm90::wgmma_wait<0>();
+        sm90::mbarrier_arrive(bar_empty(1, 0));
+      }
+      sm90::fence_operands(o);
+    } else {
+      sm90::named_barrier_sync(C::kSyncMax0, 256);
+      float m_final[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        m_final[r] = fmaxf(row_max[row0 + 8 * r], block_max[r]);
+        if (q == 0) row_max[C::kHeads + row0 + 8 * r] = m_final[r];  // the final max
+      }
+      sm90::named_barrier_arrive(C::kSyncMax1, 256);
+      softmax(m_final);
+      p_fragments(s, a);
+      sm90::fence_operands(o);
+      sm90::wgmma_fence();
+      issue_pv_rs(o, a, k1_tiles + C::kHalfTiles * C::kTileBytes);
+      sm90::wgmma_commit();
+      store_p(a, base + C::kP1, warp, lane);
+      sm90::fence_proxy_async_shared();
+      sm90::named_barrier_arrive(C::kSyncP1, 256);
+      sm90::named_barrier_sync(C::kSyncP0, 256);
+      issue_pv_ss(o, base + C::kP0, k0_tiles + C::kHalfTiles * C::kTileBytes);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();
+      sm90::fence_operands(a);
+      sm90::mbarrier_arrive(bar_empty(1, 1));
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(o);
+      sm90::mbarrier_arrive(bar_empty(0, 1));
+      if (it + 1 < num_iters) {
+        sm90::fence_operands(s);
+        issue_qk(it + 1);
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(s);
+      }
+    }
+  }
+
+  // ---- epilogue: the two groups' row sums, normalize, write -----------------------------------
+  float total[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    l[r] = quad_sum(l[r]);
+    if (q == 0) row_sum[wg * C::kHeads + row0 + 8 * r] = l[r];
+  }
+  sm90::named_barrier_sync(C::kSyncSum, 256);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    total[r] = row_sum[row0 + 8 * r] + row_sum[C::kHeads + row0 + 8 * r];
     const int head = head0 + row0 + 8 * r;
     if (head >= p.num_heads) continue;
-    bf16_t* out = p.o_lat + (t * p.num_heads + head) * kDimLatent + wc * Tr::kVCols + 2 * q;
+    const int64_t th = t * p.num_heads + head;
+    // total == 0 exactly when no slot was valid (the max slot contributes 1); NaN propagates.
+    const float inv = total[r] == 0.f ? 0.f : value_scale / total[r];
+    bf16_t* out = p.o_lat + th * kDimLatent + 256 * wg + 2 * q;
 #pragma unroll
-    for (int j = 0; j < Tr::kVTiles; ++j)
-      *reinterpret_cast<uint32_t*>(out + j * 8) =
-          pack_bf16x2(acc_o[j][2 * r] * inv_sum[r], acc_o[j][2 * r + 1] * inv_sum[r]);
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<uint32_t*>(out + 8 * j) =
+          pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    if (wg == 0 && q == 0) {
+      p.lse[th] = total[r] == 0.f ? INFINITY : (m[r] + log2f(total[r])) * kLn2;
+      if (p.max_logits != nullptr) p.max_logits[th] = total[r] == 0.f ? -INFINITY : m[r] * kLn2;
+    }
   }
 }
 
-template <int kHeadsPerCta, KvLayout kLayout>
-cudaError_t run_sparse_mla(const SparseMlaParams& params, cudaStream_t stream) {
-  using Tr = SparseMlaTraits<kHeadsPerCta, kLayout>;
+template <KvLayout kLayout>
+cudaError_t run_sparse_mla_sm90(const SparseMlaParams& params, cudaStream_t stream) {
+  using C = Sm90Config;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
-  auto* kernel = &sparse_mla_kernel<kHeadsPerCta, kLayout>;
+  auto* kernel = &sparse_mla_sm90_kernel<kLayout>;
   static std::atomic<uint64_t> smem_set{0};
   const cudaError_t err =
-      opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), Tr::kSmemBytes, smem_set);
+      opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_set);
   if (err != cudaSuccess) return err;
-  const int64_t num_groups = (params.num_heads + kHeadsPerCta - 1) / kHeadsPerCta;
+  const int64_t num_groups = (params.num_heads + C::kHeads - 1) / C::kHeads;
   const int64_t num_ctas = params.num_tokens * num_groups;
   if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(unsigned(num_ctas)), Tr::kThreads, Tr::kSmemBytes, stream>>>(params);
+  kernel<<<dim3(unsigned(num_ctas)), C::kThreads, C::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,73 @@
+// Parameters and launcher of the dense MHA prefill kernel (docs/design.md#dense-mha): varlen causal
+// attention with a cached prefix, K = [k_nope per head, k_pe shared by all heads], V per head.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dsakit/formats.h"
+
+namespace dsakit::cuda::dense_mha {
+
+inline constexpr int kDenseBlockM = 64;  // query rows per tile
+inline constexpr int kDenseBlockN = 64;  // kv rows per block (the kernel's pipeline stage)
+
+// One unit of work, built on the host from cu_q / cu_kv: query rows of one request against the
+// kv blocks [block_begin, block_end) of that request. Query row q_begin + i (0 <= i < q_len <=
+// 64) sees kv rows kv_begin + [0, first_query_pos + i]; blocks past its last visible row are
+// not read. Without split-KV a tile covers every block its rows see (part 0); with it, a row's
+// blocks are spread over several tiles, each writing partial slot `part`.
+struct DenseTile {
+  int32_t q_begin;          // first query row (global, into q / o)
+  int32_t q_len;            // query rows in the tile, 1..64
+  int32_t kv_begin;         // cu_kv[r]
+  int32_t first_query_pos;  // position of row q_begin in its request: L_r - E_r + i0
+  int32_t block_begin;      // first kv block (kDenseBlockN rows each) of this tile
+  int32_t block_end;        // one past the last; may exceed the blocks the rows see
+  int32_t part;             // partial slot when split (o_parts != null), else 0
+  int32_t unused = 0;
+};
+
+// Schedules of up to this many tiles travel in the launch's parameters (3 KiB: prompts up to
+// 6K tokens in one request without split-KV); longer ones are copied to the device first.
+inline constexpr int kDenseInlineTiles = 96;
+
+struct DenseMhaParams {
+  const bf16_t* q_nope;  // [T, H, d_nope]
+  const bf16_t* q_pe;    // [T, H, d_rope]
+  const bf16_t* k_nope;  // [N, H, d_nope], rows k_row_stride apart, heads k_head_stride
+  const bf16_t* k_pe;    // [N, d_rope]   shared by all heads
+  const bf16_t* v;       // [N, H, d_v],    rows v_row_stride apart, heads v_head_stride
+  int64_t k_row_stride, k_head_stride;  // elements: H * d_nope, d_nope when contiguous
+  int64_t v_row_stride, v_head_stride;  // elements: H * d_v, d_v when contiguous
+  bf16_t* o;                            // [T, H, d_v]           (o_parts == null)
+  float* lse;                           // [T, H] natural log    (o_parts == null)
+  // Split-KV: each tile writes its rows' attention over its blocks, normalized, to slot `part`
+  // (merge_partials combines the slots by lse); a row that sees no key there writes only
+  // lse = +inf (its o slot is left unwritten: the merge does not read it).
+  float* o_parts;          // [num_parts, T, H, d_v] or null
+  float* lse_parts;        // [num_parts, T, H]
+  int64_t rows;            // T * H: the slot stride of lse_parts (and of o_parts, x d_v)
+  const DenseTile* tiles;  // [num_tiles] device copy of the schedule, or null: inline_tiles
+  int num_tiles;
+  int num_heads;  // H
+  // V columns per CTA: the kernel instance's d_v; a CTA per (tile, head, slice) computes
+  // columns [slice * d_v, (slice + 1) * d_v) of d_v_total = d_v * v_slices. More than one slice
+  // re-computes S per slice: worth it only on grids that leave SMs idle.
+  int v_slices;
+  int d_v_total;
+  float sm_scale;
+  DenseTile inline_tiles[kDenseInlineTiles];  // the schedule when tiles == null
+};
+
+// Launches one CTA per (tile, head, V column slice). Returns the launch status.
+template <int kDimNope, int kDimRope, int kDimV>
+cudaError_t run_dense_mha(const DenseMhaParams& params, cudaStream_t stream);
+
+}  // namespace dsakit::cuda::dense_mha
+
+// One row of DSAKIT_DENSE_MHA_SM80_INSTANCES (src/cuda/attention/instances.h).
+#define DSAKIT_INSTANTIATE_DENSE_MHA_SM80(kDimNope, kDimRope, kDimV)                      \
+  template cudaError_t dsakit::cuda::dense_mha::run_dense_mha<kDimNope, kDimRope, kDimV>( \
+      const dsakit::cuda::dense_mha::DenseMhaParams&, cudaStream_t);

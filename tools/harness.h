@@ -1,0 +1,24 @@
+// Inputs the command line, the tests and the benchmarks fabricate for the layer: random
+// per-position inputs, a random kv_b_proj and shuffled page tables, all deterministic in a seed.
+// Not library API (an engine brings its own tensors and page tables); linked as dsakit_harness.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dsakit/config.h"
+#include "dsakit/driver.h"
+#include "dsakit/tensor.h"
+#include "src/layer/page_tables.h"  // allocate_pages (the DCP simulation uses it too)
+
+namespace dsakit {
+
+// Random inputs for `lengths` (normal(0,1) bf16 queries and keys, c_kv scaled like an RMS-
+// normalized latent, fp32 idx_w), deterministic in `seed`.
+TokenStore random_token_store(const ModelConfig& config, const std::vector<int32_t>& lengths,
+                              uint64_t seed);
+
+// Random kv_b_proj bf16 [H*(d_nope+d_v), d_c] on the host, scaled ~1/sqrt(d_c).
+Tensor random_kv_b_proj(const ModelConfig& config, uint64_t seed);
+
+}  // namespace dsakit
