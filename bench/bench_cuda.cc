@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/row_gather.h"
 #include "dsakit/driver.h"
 #include "dsakit/error.h"
 #include "dsakit/layer.h"
@@ -303,6 +304,25 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
   }
   be.options().sparse_mla_kernel = previous;
   be.options().host_value_checks = true;
+  // The gather alone (bench/row_gather.cu), one CTA per token and per 64-head group as the wgmma
+  // kernel runs: its time is the floor of a kernel that must bring these rows into shared
+  // memory. TFLOP/s here is the sparse kernel's FLOPs over that floor.
+  const int groups = int((h + 63) / 64);
+  bench::RowGatherParams g{pools[0].storage().ptr<const uint8_t>(),
+                           loc_top.ptr<const int32_t>(),
+                           ctx.ptr<const int32_t>(),
+                           t,
+                           kd.num_locations(),
+                           kd.bytes_per_token(),
+                           k,
+                           groups};
+  const Timing tg = time_ms(be, [&](int i) {
+    g.pool = pools[size_t(i % kSets)].storage().ptr<const uint8_t>();
+    DSAKIT_CHECK(bench::launch_row_gather(g, be.stream()) == cudaSuccess, kBackend,
+                 "row_gather launch");
+  });
+  rows.push_back({shape, fmt::format("row_gather x{}", groups), tg,
+                  2.0 * h * sum_keff * (576 + 512), sum_keff * groups * kd.bytes_per_token()});
   return rows;
 }
 

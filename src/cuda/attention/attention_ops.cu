@@ -47,8 +47,9 @@ int kernel_pool_row_bytes(KvLayout layout) {
 }  // namespace
 
 SparseMlaKernel sparse_mla_kernel_for(KvLayout layout, int64_t num_heads) {
+  (void)num_heads;
   const bool wgmma = cuda::attention::dispatch_sparse_mla_sm90(layout, [](auto) {});
-  return wgmma && num_heads > 16 ? SparseMlaKernel::kWgmma : SparseMlaKernel::kMmaSync;
+  return wgmma ? SparseMlaKernel::kWgmma : SparseMlaKernel::kMmaSync;
 }
 
 void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, SparseMlaKernel kernel) {

@@ -59,6 +59,14 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// 2^x by the SFU alone (ex2.approx.ftz: ~2 ulp, subnormal results flushed to 0), for softmax
+// weights, which only ever scale values of their own row.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2)

@@ -21,8 +21,8 @@
 //   Q   [9 tiles]  73728      K0 [9 tiles] 73728      K1 [9 tiles] 73728
 //   P1  [1 tile]    8192      P0 lives in K0's tile 8 (its rope dims: read by S0 only, and
 //                             reloaded by the producer only after WG1 has consumed P0)
-//   mbarriers, valid flags [2][64], row maxima [2][64] (WG0's own, the final one), row sums
-//   [2][64]
+//   mbarriers, valid flags [2][64], row maxima [3][64] (WG0's own; the final one, by iteration
+//   parity), row sums [2][64]
 //
 // Synchronization per iteration (named barriers between the consumer groups, 256 threads):
 //   WG0: softmax with max(m, S0) -> smax; arrive MAX0; O += P0·V0L; sync MAX1 (smax = the
@@ -52,8 +52,12 @@ struct Sm90Config {
   static constexpr int kHalfTiles = 4;                  // tiles of the L half; R is tiles 4-8
   static constexpr int kTileBytes = 64 * 128;
   static constexpr int kThreads = 384;
+  // setmaxnreg moves registers within the CTA's launch allocation (168 x 384 under
+  // __launch_bounds__(384, 1)): 2 x 128 x kConsumerRegs + 128 x kProducerRegs must not exceed
+  // it, or the consumers' increase waits forever.
   static constexpr int kConsumerRegs = 224;
   static constexpr int kProducerRegs = 56;
+  static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= 168 * kThreads);
 
   static constexpr int kQ = 0;
   static constexpr int kK0 = kQ + kTiles * kTileBytes;
@@ -66,9 +70,10 @@ struct Sm90Config {
   static constexpr int kBarKFull = kBars + 8;    // + 8 * (2 * buffer + half)
   static constexpr int kBarKEmpty = kBars + 40;  // + 8 * (2 * buffer + half)
   static constexpr int kBarValid = kBars + 72;
-  static constexpr int kValid = kBars + 80;                 // u8 [2][64]
-  static constexpr int kRowMax = kValid + 2 * kBlock;       // f32 [2][64], [b]: written by WG b
-  static constexpr int kRowSum = kRowMax + 2 * 4 * kHeads;  // f32 [2][64]
+  static constexpr int kValid = kBars + 80;  // u8 [2][64]
+  // f32 [3][64]: WG0's max, then the final max (by WG1) in two slots by iteration parity.
+  static constexpr int kRowMax = kValid + 2 * kBlock;
+  static constexpr int kRowSum = kRowMax + 3 * 4 * kHeads;  // f32 [2][64]
   static constexpr int kSmemBytes = kRowSum + 2 * 4 * kHeads;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
   static_assert(kK0 % 1024 == 0 && kK1 % 1024 == 0 && kP1 % 1024 == 0 && kP0 % 1024 == 0);
@@ -105,22 +110,63 @@ __device__ __forceinline__ BlockRows block_rows(const SparseMlaParams& p, const 
 }
 
 // Gathers tiles [tile_begin, tile_end) of a block's rows into `buffer`: chunk `lane8` of each
-// tile row, invalid rows zero-filled. bf16 rows only (cp.async straight into the tiles).
+// tile row, invalid rows zero-filled.
+//  * bf16 pools: cp.async straight into the tiles; the caller arrives on the half's full
+//    barrier when they land.
+//  * fp8 pools: each chunk's 8 e4m3 codes (and, for the 656-byte layout, its 128-column tile's
+//    fp32 scale) go to the first 12 bytes of the very chunk they become (this thread's chunks
+//    only); convert_half() widens them in place once this thread's copies have landed. The
+//    656-byte layout's bf16 rope tile is copied as it is.
 template <KvLayout kLayout>
 __device__ __forceinline__ void load_half(const SparseMlaParams& p, const BlockRows& rows,
                                           uint32_t buffer, int tile_begin, int tile_end, int group,
                                           int lane8) {
-  static_assert(kLayout == KvLayout::kBf16, "fp8 pools: see load_half_fp8");
-  constexpr int kRowBytes = PoolRow<kLayout>::kBytes;
+  using Row = PoolRow<kLayout>;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = group + 16 * i;
-    const uint8_t* src = p.kv_pool + rows.loc[i] * kRowBytes + lane8 * 16;
+    const uint8_t* src = p.kv_pool + rows.loc[i] * Row::kBytes;
 #pragma unroll
-    for (int tile = tile_begin; tile < tile_end; ++tile)
-      sm90::cp_async_16_prefetch(
-          buffer + tile * Sm90Config::kTileBytes + swizzled_chunk(row, lane8), src + tile * 128,
-          rows.ok[i]);
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const uint32_t dst = buffer + tile * Sm90Config::kTileBytes + swizzled_chunk(row, lane8);
+      if constexpr (kLayout == KvLayout::kBf16) {
+        sm90::cp_async_16_prefetch(dst, src + tile * 128 + lane8 * 16, rows.ok[i]);
+      } else if (kLayout == KvLayout::kFp8Scaled && tile == Sm90Config::kLatentTiles) {
+        sm90::cp_async_16_prefetch(dst, src + Row::kRopeOffset + lane8 * 16, rows.ok[i]);
+      } else {
+        sm90::cp_async_small<8>(dst, src + tile * 64 + lane8 * 8, rows.ok[i]);
+        if constexpr (kLayout == KvLayout::kFp8Scaled)
+          sm90::cp_async_small<4>(dst + 8, src + Row::kScalesOffset + 4 * (tile / 2), rows.ok[i]);
+      }
+    }
+  }
+}
+
+// fp8 pools: widens this thread's staged chunks of tiles [tile_begin, tile_end) to bf16 in
+// place: bf16(e4m3 · scale) for the 656-byte layout, the exact e4m3 value for fp8-raw (its
+// k_scale multiplies S and O instead).
+template <KvLayout kLayout>
+__device__ __forceinline__ void convert_half(uint32_t buffer, int tile_begin, int tile_end,
+                                             int group, int lane8) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = group + 16 * i;
+#pragma unroll
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      if (kLayout == KvLayout::kFp8Scaled && tile == Sm90Config::kLatentTiles) continue;
+      const uint32_t chunk = buffer + tile * Sm90Config::kTileBytes + swizzled_chunk(row, lane8);
+      const uint2 codes = sm90::ld_shared_u32x2(chunk);
+      const float scale = kLayout == KvLayout::kFp8Scaled ? sm90::ld_shared_f32(chunk + 8) : 1.f;
+      const uint32_t words[2] = {codes.x, codes.y};
+      uint32_t out[4];
+#pragma unroll
+      for (int pair = 0; pair < 4; ++pair) {
+        const auto two = static_cast<__nv_fp8x2_storage_t>(words[pair / 2] >> (16 * (pair % 2)));
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3)));
+        out[pair] = pack_bf16x2(f.x * scale, f.y * scale);
+      }
+      sm90::st_shared_u32x4(chunk, make_uint4(out[0], out[1], out[2], out[3]));
+    }
   }
 }
 
@@ -170,14 +216,16 @@ __device__ __forceinline__ void p_fragments(const float (&s)[32], uint32_t (&a)[
     for (int i = 0; i < 4; ++i) a[ks][i] = pack_bf16x2(s[8 * ks + 2 * i], s[8 * ks + 2 * i + 1]);
 }
 
-// Writes the A fragments of this warp's 16 rows into a swizzled [64][64] bf16 tile.
-__device__ __forceinline__ void store_p(const uint32_t (&a)[4][4], uint32_t tile, int warp,
-                                        int lane) {
+// Writes P (fp32, the S accumulator layout) of this warp's 16 rows into a swizzled [64][64] bf16
+// tile, 16 keys (one stmatrix) at a time.
+__device__ __forceinline__ void store_p(const float (&s)[32], uint32_t tile, int warp, int lane) {
   const int row = 16 * warp + ((lane >> 3) & 1) * 8 + (lane & 7);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
-    sm90::stmatrix_x4(tile + swizzled_chunk(row, 2 * ks + (lane >> 4)), a[ks][0], a[ks][1],
-                      a[ks][2], a[ks][3]);
+    sm90::stmatrix_x4(
+        tile + swizzled_chunk(row, 2 * ks + (lane >> 4)), pack_bf16x2(s[8 * ks], s[8 * ks + 1]),
+        pack_bf16x2(s[8 * ks + 2], s[8 * ks + 3]), pack_bf16x2(s[8 * ks + 4], s[8 * ks + 5]),
+        pack_bf16x2(s[8 * ks + 6], s[8 * ks + 7]));
 }
 
 template <KvLayout kLayout>
@@ -197,11 +245,13 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   };
   const uint32_t bar_valid = base + C::kBarValid;
   uint8_t* valid = reinterpret_cast<uint8_t*>(smem + C::kValid);  // [2][64]
-  float* row_max = reinterpret_cast<float*>(smem + C::kRowMax);   // [2][64]
+  float* row_max = reinterpret_cast<float*>(smem + C::kRowMax);   // [3][64]
   float* row_sum = reinterpret_cast<float*>(smem + C::kRowSum);   // [2][64]
 
+  // Tokens last to first: in a prefill batch the later tokens of a request see the longer
+  // contexts, so the long CTAs start first and the short ones fill the tail.
   const int num_groups = (p.num_heads + C::kHeads - 1) / C::kHeads;
-  const int64_t t = blockIdx.x / num_groups;
+  const int64_t t = p.num_tokens - 1 - int64_t(blockIdx.x / num_groups);
   const int head0 = int(blockIdx.x % num_groups) * C::kHeads;
   int num_slots = p.topk;
   if (p.topk_length != nullptr) num_slots = min(max(p.topk_length[t], 0), p.topk);
@@ -244,32 +294,56 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     }
     sm90::cp_async_mbarrier_arrive(bar_q);
 
+    // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L. fp8 pools keep
+    // one half in flight while the one before it is converted: the next half is staged first
+    // when its buffer is already free (never waiting for it while a staged half is unfinished,
+    // so no consumer waits on a half the producer holds back).
+    struct Pending {
+      uint32_t buffer = 0, full = 0;
+      int tile_begin = 0, tile_end = 0;
+      bool active = false;
+    } pending;
+    const auto finish = [&](bool newer_in_flight) {
+      if (newer_in_flight)
+        cp_async_wait<1>();
+      else
+        cp_async_wait<0>();
+      convert_half<kLayout>(pending.buffer, pending.tile_begin, pending.tile_end, group, lane8);
+      sm90::fence_proxy_async_shared();
+      sm90::mbarrier_arrive(pending.full);
+      pending.active = false;
+    };
     for (int it = 0; it < num_iters; ++it) {
       const uint32_t free_phase = (it & 1) ^ 1;
-      const BlockRows rows0 = block_rows(p, slots, 2 * it, num_slots, group);
-      const BlockRows rows1 = block_rows(p, slots, 2 * it + 1, num_slots, group);
-      // In the order the consumers release the halves: K0.L, K1.R, K0.R, K1.L.
-      sm90::mbarrier_wait(bar_empty(0, 0), free_phase);
-      load_half<kLayout>(p, rows0, k0_tiles, 0, C::kHalfTiles, group, lane8);
-      sm90::cp_async_mbarrier_arrive(bar_full(0, 0));
-      sm90::mbarrier_wait(bar_empty(1, 1), free_phase);
-      load_half<kLayout>(p, rows1, k1_tiles, C::kHalfTiles, C::kTiles, group, lane8);
-      sm90::cp_async_mbarrier_arrive(bar_full(1, 1));
-      sm90::mbarrier_wait(bar_empty(0, 1), free_phase);
-      load_half<kLayout>(p, rows0, k0_tiles, C::kHalfTiles, C::kTiles, group, lane8);
-      sm90::cp_async_mbarrier_arrive(bar_full(0, 1));
-      sm90::mbarrier_wait(bar_empty(1, 0), free_phase);
-      load_half<kLayout>(p, rows1, k1_tiles, 0, C::kHalfTiles, group, lane8);
-      sm90::cp_async_mbarrier_arrive(bar_full(1, 0));
-      // Every consumer has masked the previous iteration (all four halves were released).
-      if (lane8 == 0)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          valid[group + 16 * i] = rows0.ok[i];
-          valid[C::kBlock + group + 16 * i] = rows1.ok[i];
+#pragma unroll 1
+      for (int step = 0; step < 4; ++step) {
+        const int buffer = step & 1, half = ((step + 1) >> 1) & 1;  // 0L, 1R, 0R, 1L
+        const uint32_t empty = bar_empty(buffer, half), full = bar_full(buffer, half);
+        const uint32_t tiles = buffer == 0 ? k0_tiles : k1_tiles;
+        const int tile_begin = half == 0 ? 0 : C::kHalfTiles;
+        const int tile_end = half == 0 ? C::kHalfTiles : C::kTiles;
+        if constexpr (kLayout != KvLayout::kBf16)
+          if (pending.active && !sm90::mbarrier_test_wait(empty, free_phase)) finish(false);
+        sm90::mbarrier_wait(empty, free_phase);
+        const BlockRows rows = block_rows(p, slots, 2 * it + buffer, num_slots, group);
+        load_half<kLayout>(p, rows, tiles, tile_begin, tile_end, group, lane8);
+        if constexpr (kLayout == KvLayout::kBf16) {
+          sm90::cp_async_mbarrier_arrive(full);
+        } else {
+          cp_async_commit();
+          if (pending.active) finish(true);
+          pending = {tiles, full, tile_begin, tile_end, true};
         }
-      sm90::mbarrier_arrive(bar_valid);
+        // A buffer's flags are read only by its own group, which has masked the previous
+        // iteration once it released its first half of it (steps 0 and 1).
+        if (step < 2 && lane8 == 0)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok[i];
+        if (step == 1) sm90::mbarrier_arrive(bar_valid);
+      }
     }
+    if constexpr (kLayout != KvLayout::kBf16)
+      if (pending.active) finish(false);
     cp_async_wait<0>();
     return;
   }
@@ -321,7 +395,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   }
 
   for (int it = 0; it < num_iters; ++it) {
-    // ---- mask, scale, block max ---------------------------------------------------------------
+    // ---- mask, block max (S stays unscaled: the scale folds into the exponent) --------------
     sm90::mbarrier_wait(bar_valid, it & 1);
     const uint8_t* slot_ok = valid + wg * C::kBlock;
     float block_max[2] = {-INFINITY, -INFINITY};
@@ -333,19 +407,19 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       for (int r = 0; r < 2; ++r) {
         float& s0 = s[4 * j + 2 * r];
         float& s1 = s[4 * j + 2 * r + 1];
-        s0 = ok0 ? s0 * scale_log2 : -INFINITY;
-        s1 = ok1 ? s1 * scale_log2 : -INFINITY;
+        s0 = ok0 ? s0 : -INFINITY;
+        s1 = ok1 ? s1 : -INFINITY;
         block_max[r] = fmaxf(block_max[r], fmaxf(s0, s1));
       }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) block_max[r] = quad_max(block_max[r]);
+    for (int r = 0; r < 2; ++r) block_max[r] = quad_max(block_max[r]) * scale_log2;
 
     uint32_t a[4][4];
     const auto softmax = [&](const float(&m_new)[2]) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float alpha = exp2f(m[r] - m_new[r]);
+        const float alpha = exp2_approx(m[r] - m_new[r]);
         l[r] *= alpha;
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
@@ -356,8 +430,8 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
         for (int j = 0; j < 8; ++j) {
           float& s0 = s[4 * j + 2 * r];
           float& s1 = s[4 * j + 2 * r + 1];
-          s0 = exp2f(s0 - m_new[r]);
-          s1 = exp2f(s1 - m_new[r]);
+          s0 = exp2_approx(fmaf(s0, scale_log2, -m_new[r]));
+          s1 = exp2_approx(fmaf(s1, scale_log2, -m_new[r]));
           l[r] += s0 + s1;
         }
         m[r] = m_new[r];
@@ -384,8 +458,8 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       float beta[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float m_final = row_max[C::kHeads + row0 + 8 * r];
-        beta[r] = exp2f(m[r] - m_final);
+        const float m_final = row_max[(1 + (it & 1)) * C::kHeads + row0 + 8 * r];
+        beta[r] = exp2_approx(m[r] - m_final);
         m[r] = m_final;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -393,9 +467,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
           s[4 * j + 2 * r + 1] *= beta[r];
         }
       }
-      uint32_t shared_p[4][4];
-      p_fragments(s, shared_p);
-      store_p(shared_p, base + C::kP0, warp, lane);
+      store_p(s, base + C::kP0, warp, lane);
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_arrive(C::kSyncP0, 256);
 
@@ -435,7 +507,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         m_final[r] = fmaxf(row_max[row0 + 8 * r], block_max[r]);
-        if (q == 0) row_max[C::kHeads + row0 + 8 * r] = m_final[r];  // the final max
+        if (q == 0) row_max[(1 + (it & 1)) * C::kHeads + row0 + 8 * r] = m_final[r];
       }
       sm90::named_barrier_arrive(C::kSyncMax1, 256);
       softmax(m_final);
@@ -444,7 +516,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       sm90::wgmma_fence();
       issue_pv_rs(o, a, k1_tiles + C::kHalfTiles * C::kTileBytes);
       sm90::wgmma_commit();
-      store_p(a, base + C::kP1, warp, lane);
+      store_p(s, base + C::kP1, warp, lane);
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_arrive(C::kSyncP1, 256);
       sm90::named_barrier_sync(C::kSyncP0, 256);
