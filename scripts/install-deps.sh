@@ -7,7 +7,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 debs=(cmake ninja-build g++ pkg-config
       libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libfmt-dev nlohmann-json3-dev
-      libopenblas-dev libomp-dev clang libclang-rt-dev python3-venv)
+      libopenblas-dev libomp-dev clang libclang-rt-dev python3-venv python3-dev)
 
 missing=()
 for p in "${debs[@]}"; do
@@ -20,12 +20,14 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# Python tools for the independent cross-checks (numpy + ml_dtypes), in a venv inside the checkout.
+# Python tools for the independent cross-checks (numpy + ml_dtypes) and the build of the Python
+# package (nanobind + scikit-build-core, docs/python.md), in a venv inside the checkout.
 venv="$here/../.venv"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c "import numpy, ml_dtypes, pytest, matplotlib" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import numpy, ml_dtypes, pytest, matplotlib, nanobind, scikit_build_core" \
+    2>/dev/null; then
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/requirements.txt"
 fi
 echo "[install-deps] ok"

@@ -5,11 +5,13 @@
 #      tests (GPU tests run where a GPU is present and skip cleanly elsewhere),
 #   3. an ASan+UBSan build of the host code and its unit tests,
 #   4. a TSan build (clang + LLVM libomp + archer) of the host code and its unit tests,
-#   5. the Python cross-checks (numpy + ml_dtypes) and the command-line tests,
+#   5. the Python cross-checks (numpy + ml_dtypes) and the command-line tests, then the Python
+#      package: its wheel built CPU-only (pip wheel, no build isolation: the venv's pinned
+#      scikit-build-core and nanobind) and tests/pydsakit run against that wheel (docs/python.md),
 #   6. a short fixed-time libFuzzer run over the safetensors reader, the config parser, the layer
 #      API and the command line.
-# Build folders live inside the checkout (build/, build-asan/, build-tsan/, build-fuzz*/). Set
-# DSAKIT_JOBS to limit parallelism (default: nproc).
+# Build folders live inside the checkout (build/, build-asan/, build-tsan/, build-wheel/,
+# build-fuzz*/). Set DSAKIT_JOBS to limit parallelism (default: nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${DSAKIT_JOBS:-$(nproc)}
@@ -51,6 +53,13 @@ OMP_NUM_THREADS=2 OMP_TOOL_LIBRARIES="$archer" DSAKIT_TEST_BACKENDS=cpu \
 
 step "python cross-checks and command-line tests"
 DSAKIT_BUILD_DIR=build .venv/bin/python -m pytest -q tests/python tests/cli
+
+step "python package: the wheel (CPU-only) and its tests"
+rm -rf build-wheel/dist
+CMAKE_BUILD_PARALLEL_LEVEL=$jobs .venv/bin/python -m pip wheel . -q --no-build-isolation \
+  --no-deps --disable-pip-version-check -w build-wheel/dist -C build-dir=build-wheel/cmake \
+  -C cmake.define.DSAKIT_CUDA=OFF
+DSAKIT_WHEEL_DIR=build-wheel/dist DSAKIT_BUILD_DIR=build .venv/bin/python -m pytest -q tests/pydsakit
 
 step "fuzzing (${DSAKIT_FUZZ_SECONDS:-20}s per target)"
 bash scripts/fuzz.sh "${DSAKIT_FUZZ_SECONDS:-20}"

@@ -11,7 +11,10 @@
 #   6. (explicit only) `dsakit calibrate` into $OUT/profile.json and `dsakit bench` with it
 #      (DSAKIT_BENCH_MODELS, DSAKIT_PROFILE_IN, DSAKIT_LAYERBENCH_ARGS pass through).
 #   7. (explicit only) `profile`: ncu per-kernel times of a short-prompt call on both paths.
-# Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench|calibrate|layerbench|profile]...
+#   8. (explicit only) `sparsebench`: `dsakit_bench_cuda --sparse` (every compiled sparse MLA
+#      kernel per shape and the row-gather bound) into $OUT/bench_sparse.{txt,json}.
+# Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench|calibrate|layerbench|profile|
+#                               sparsebench]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -146,6 +149,14 @@ if [ "${result[build]}" = PASS ] && want bench; then
   cat "$out/bench_cuda.txt" "$out/peer_sdpa.txt"
 fi
 
+if [ "${result[build]}" = PASS ] && explicit sparsebench; then
+  note "sparse MLA kernels (every compiled kernel per shape, with the row-gather bound)"
+  if timeout 300 build-dev/bench/dsakit_bench_cuda --sparse --json "$out/bench_sparse.json" \
+       >"$out/bench_sparse.txt" 2>"$out/bench_sparse.err"; then result[sparsebench]=PASS
+  else result[sparsebench]=FAIL; tail -5 "$out/bench_sparse.err"; fi
+  cat "$out/bench_sparse.txt"
+fi
+
 # Layer benchmark steps (explicit only, not part of 'all': minutes of device time).
 models=${DSAKIT_BENCH_MODELS:-deepseek-v3.2:1,deepseek-v3.2:8,glm-5:1,glm-5:4}
 profile=${DSAKIT_PROFILE_IN:-$out/profile.json}
@@ -211,7 +222,7 @@ note "done"
 # The device tool returns at most 8 files: pack everything into one archive and keep only the
 # archive and the JSON results next to it.
 (cd "$out" && tar -czf logs.tgz --exclude=logs.tgz ./* 2>/dev/null &&
-  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json ! -name ncu_summary.txt \
+  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json ! -name ncu_summary.txt ! -name bench_sparse.json \
     -delete)
 echo
 printf '%-44s %s\n' CHECK RESULT

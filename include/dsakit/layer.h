@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,35 @@ struct LayerOptions {
 void check_layer_inputs(const ModelConfig& config, Device device, const LayerInputs& inputs,
                         int64_t num_tokens);
 
+// Caller-given output tensors for forward(), e.g. an engine's own buffers or the static outputs
+// of a captured CUDA graph. Each one is optional (ndim == 0: the call allocates it) and is
+// checked like the inputs (shape, dtype, device, contiguous) before anything is written.
+struct LayerOutputs {
+  TensorView o;     // [T, H, d_v] of LayerOptions::output_dtype
+  TensorView lse;   // f32 [T, H]
+  TensorView topk;  // i32 [T, index_topk]: written only when some request takes the sparse path
+};
+// Checks the given outputs of a call over T new tokens (throws naming the tensor).
+void check_layer_outputs(const ModelConfig& config, Device device, DType output_dtype,
+                         const LayerOutputs& outputs, int64_t num_tokens);
+
+// A batch validated and planned by one layer, with its index arrays already on the layer's
+// device (DsaAttention::prepare). forward() over it builds and uploads nothing: once a call of
+// the same shapes has warmed the backend's memory, such a forward can be captured into a CUDA
+// graph (with LayerOutputs the graph owns) and replayed while the PreparedBatch lives.
+class PreparedBatch {
+ public:
+  PreparedBatch() = default;
+  bool defined() const { return state_ != nullptr; }
+  const Batch& batch() const;  // throw kInvalidArgument when !defined()
+  const Plan& plan() const;
+
+ private:
+  friend class DsaAttention;
+  struct State;
+  std::shared_ptr<const State> state_;
+};
+
 class DsaAttention {
  public:
   // kv_b_proj: bf16 [H*(d_nope+d_v), d_c] on the backend's device. The pools must share one
@@ -92,11 +122,26 @@ class DsaAttention {
   // Validates everything (batch, page tables, input shapes) before the first write; then stores
   // the new tokens, plans and runs. A rejected call leaves both pools untouched.
   LayerResult forward(const Batch& batch, const LayerInputs& inputs);
+  // The same, writing into the given outputs (LayerResult's tensors then view them).
+  LayerResult forward(const Batch& batch, const LayerInputs& inputs, const LayerOutputs& outputs);
+
+  // Validates and plans `batch` (as plan()) and uploads its index arrays, for forward() calls
+  // that neither plan nor copy from the host (CUDA-graph capture and replay).
+  PreparedBatch prepare(const Batch& batch) const;
+  // forward() over a batch prepared by this layer: the plan and index arrays it holds.
+  LayerResult forward(const PreparedBatch& batch, const LayerInputs& inputs,
+                      const LayerOutputs& outputs = {});
 
  private:
   // The dense or the sparse path over the requests `bi` indexes (their new tokens are already
   // stored; `dev` is bi on the device); `in`, o, lse and topk hold exactly their rows. topk may
   // be empty for the dense path. forward() runs a mixed plan's segments through it one by one.
+  // Checks the inputs, outputs and workspace of a call over `batch` planned as `plan`.
+  void check_call(const Batch& batch, const Plan& plan, const LayerInputs& in,
+                  const LayerOutputs& out) const;
+  // Stores the new tokens and runs the prepared plan into res (whose plan is set).
+  LayerResult run(const PreparedBatch::State& state, const LayerInputs& in,
+                  const LayerOutputs& out);
   void run_path(AttentionPath path, const BatchIndex& bi, const detail::DeviceBatchIndex& dev,
                 const LayerInputs& in, const TensorView& o, const TensorView& lse,
                 const TensorView& topk,

@@ -63,6 +63,8 @@ class PagedKvPool {
   KvLayout layout() const { return desc_.layout; }
   Device device() const { return storage_.device(); }
   const TensorView& storage() const { return storage_.view(); }
+  // The storage with its ownership (a view taken from it keeps the memory alive).
+  const Tensor& storage_tensor() const { return storage_; }
 
   // Typed access: throws Error(kLayoutMismatch) naming both layouts, e.g.
   //   "gather_kv: pool layout is fp8-raw (576 B/token) but the caller expects fp8 (656 B/token)".
@@ -82,6 +84,7 @@ class IndexKeyPool {
   const IndexKeyPoolDesc& desc() const { return desc_; }
   Device device() const { return storage_.device(); }
   const TensorView& storage() const { return storage_.view(); }
+  const Tensor& storage_tensor() const { return storage_; }
 
  private:
   IndexKeyPoolDesc desc_;

@@ -151,6 +151,9 @@ Tensor CudaBackend::empty(DType dtype, const std::vector<int64_t>& shape) {
   TensorView view = make_view(nullptr, dtype, Device::kCuda, shape);
   std::shared_ptr<void> block = arena_->allocate(view.nbytes());
   view.data = block.get();
+  // A captured graph keeps writing its blocks on every replay: they must never go back to the
+  // arena's free list for another tensor, so the backend holds them until it is destroyed.
+  if (stream_is_capturing(stream_)) graph_blocks_.push_back(block);
   return Tensor(std::move(block), view);
 }
 

@@ -120,6 +120,7 @@ class CudaBackend final : public Backend {
   cublasHandle_t cublas_ = nullptr;
   void* cublas_workspace_ = nullptr;
   std::shared_ptr<DeviceArena> arena_;
+  std::vector<std::shared_ptr<void>> graph_blocks_;  // allocated while capturing: never recycled
   Workspace workspace_;
   PinnedStaging staging_;  // host -> device copies (declared last: destroyed first)
 };

@@ -164,58 +164,128 @@ void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi,
   DSAKIT_FAIL(kInternal, "run_path: a mixed plan runs each segment through its own path");
 }
 
-LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
-  // ---- validation: nothing is written before all of it passes ----------------------------
-  LayerResult res;
-  res.plan = plan(batch);
+// The index arrays of a planned batch on the device: the whole batch's and, for a mixed plan,
+// those of each run of requests with new tokens (all uploaded in one copy).
+struct PreparedBatch::State {
+  const DsaAttention* layer = nullptr;
+  Batch batch;
+  Plan plan;
+  BatchIndex bi;
+  std::vector<const PlanSegment*> runs;  // into plan.segments
+  std::vector<BatchIndex> run_bi;
+  std::vector<detail::DeviceBatchIndex> dev;
+
+  State(const DsaAttention* owner, const Batch& b, Plan p, Backend& be, int page_size)
+      : layer(owner), batch(b), plan(std::move(p)) {
+    if (batch.num_new_tokens() == 0) return;  // nothing runs
+    bi = BatchIndex::build(batch, page_size);
+    if (plan.path == AttentionPath::kMixed)
+      for (const PlanSegment& s : plan.segments) {
+        if (bi.cu_q[size_t(s.first_request)] == bi.cu_q[size_t(s.first_request + s.num_requests)])
+          continue;  // no new tokens
+        runs.push_back(&s);
+        run_bi.push_back(
+            BatchIndex::build(batch.slice(s.first_request, s.num_requests), page_size));
+      }
+    std::vector<const BatchIndex*> host_index{&bi};
+    for (const BatchIndex& x : run_bi) host_index.push_back(&x);
+    dev = detail::DeviceBatchIndex::upload(be, host_index);
+  }
+  State(const State&) = delete;  // runs point into plan.segments
+  State& operator=(const State&) = delete;
+};
+
+const Batch& PreparedBatch::batch() const {
+  DSAKIT_CHECK_ARG(state_ != nullptr, "prepared batch: empty (made by DsaAttention::prepare)");
+  return state_->batch;
+}
+
+const Plan& PreparedBatch::plan() const {
+  DSAKIT_CHECK_ARG(state_ != nullptr, "prepared batch: empty (made by DsaAttention::prepare)");
+  return state_->plan;
+}
+
+void check_layer_outputs(const ModelConfig& c, Device dev, DType output_dtype,
+                         const LayerOutputs& out, int64_t t) {
+  if (out.o.ndim != 0) check_tensor(out.o, "o", output_dtype, dev, {t, c.num_heads, c.v_head_dim});
+  if (out.lse.ndim != 0) check_tensor(out.lse, "lse", DType::kF32, dev, {t, c.num_heads});
+  if (out.topk.ndim != 0) check_tensor(out.topk, "topk", DType::kI32, dev, {t, c.index_topk});
+}
+
+void DsaAttention::check_call(const Batch& batch, const Plan& plan, const LayerInputs& in,
+                              const LayerOutputs& out) const {
   const int64_t t = batch.num_new_tokens();
   check_layer_inputs(config_, backend_.device(), in, t);
+  check_layer_outputs(config_, backend_.device(), options_.output_dtype, out, t);
   if (options_.max_workspace_bytes > 0) {
-    const int64_t need = workspace_bytes(batch, res.plan);
+    const int64_t need = workspace_bytes(batch, plan);
     DSAKIT_CHECK(need <= options_.max_workspace_bytes, kResource, "max_workspace_bytes: the ",
-                 to_string(res.plan.path), " path over ", t, " new tokens and ",
-                 batch.total_kv_len(), " positions needs ", need, " bytes of workspace, over the ",
-                 "limit of ", options_.max_workspace_bytes, " bytes");
+                 to_string(plan.path), " path over ", t, " new tokens and ", batch.total_kv_len(),
+                 " positions needs ", need, " bytes of workspace, over the ", "limit of ",
+                 options_.max_workspace_bytes, " bytes");
   }
+}
 
+LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
+  return forward(batch, in, LayerOutputs{});
+}
+
+LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in,
+                                  const LayerOutputs& out) {
+  // ---- validation: nothing is written before all of it passes ----------------------------
+  Plan plan = this->plan(batch);
+  check_call(batch, plan, in, out);
+  const PreparedBatch::State state(this, batch, std::move(plan), backend_,
+                                   kv_pool_.desc().page_size);
+  return run(state, in, out);
+}
+
+PreparedBatch DsaAttention::prepare(const Batch& batch) const {
+  PreparedBatch p;
+  p.state_ = std::make_shared<const PreparedBatch::State>(this, batch, plan(batch), backend_,
+                                                          kv_pool_.desc().page_size);
+  return p;
+}
+
+LayerResult DsaAttention::forward(const PreparedBatch& prepared, const LayerInputs& in,
+                                  const LayerOutputs& out) {
+  DSAKIT_CHECK_ARG(prepared.defined(), "forward: the prepared batch is empty");
+  DSAKIT_CHECK_ARG(prepared.state_->layer == this,
+                   "forward: the batch was prepared by another layer");
+  check_call(prepared.state_->batch, prepared.state_->plan, in, out);
+  return run(*prepared.state_, in, out);
+}
+
+LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInputs& in,
+                              const LayerOutputs& out) {
+  LayerResult res;
+  res.plan = state.plan;
+  const int64_t t = state.batch.num_new_tokens();
   const auto& c = config_;
-  const int page_size = kv_pool_.desc().page_size;
   Backend& be = backend_;
 
   const detail::StageFn stage = [&](const char* name, const std::function<void()>& fn) {
     if (!options_.time_stages) return fn();
     res.stages.push_back({name, be.time_ms(fn)});
   };
+  // A given output is viewed (no storage of its own), a missing one allocated.
+  const auto output = [&](const TensorView& given, DType dtype, std::vector<int64_t> shape) {
+    return given.ndim != 0 ? Tensor(nullptr, given) : be.empty(dtype, shape);
+  };
 
-  res.o = be.empty(options_.output_dtype, {t, c.num_heads, c.v_head_dim});
-  res.lse = be.empty(DType::kF32, {t, c.num_heads});
+  res.o = output(out.o, options_.output_dtype, {t, c.num_heads, c.v_head_dim});
+  res.lse = output(out.lse, DType::kF32, {t, c.num_heads});
   if (t == 0) return res;
 
-  // Every index array below is built here from the validated batch (or by our own kernels):
-  // the backend's host-side value checks would only repeat that validation with a sync per op.
+  // Every index array below was built from the validated batch (or by our own kernels): the
+  // backend's host-side value checks would only repeat that validation with a sync per op.
   struct RestoreChecks {
     Backend& be;
     bool previous;
     ~RestoreChecks() { be.set_index_value_checks(previous); }
   } restore{be, be.set_index_value_checks(false)};
 
-  // Host indexes of the whole batch and, for a mixed plan, of each run with new tokens; all go
-  // to the device in one copy.
-  const BatchIndex bi = BatchIndex::build(batch, page_size);
-  std::vector<const PlanSegment*> runs;
-  std::vector<BatchIndex> run_bi;
-  if (res.plan.path == AttentionPath::kMixed)
-    for (const PlanSegment& s : res.plan.segments) {
-      if (bi.cu_q[size_t(s.first_request)] == bi.cu_q[size_t(s.first_request + s.num_requests)])
-        continue;  // no new tokens
-      runs.push_back(&s);
-      run_bi.push_back(BatchIndex::build(batch.slice(s.first_request, s.num_requests), page_size));
-    }
-  std::vector<const BatchIndex*> host_index{&bi};
-  for (const BatchIndex& x : run_bi) host_index.push_back(&x);
-  const std::vector<detail::DeviceBatchIndex> dev =
-      detail::DeviceBatchIndex::upload(be, host_index);
-  const TensorView& new_locs = dev[0].new_locs;
+  const TensorView& new_locs = state.dev[0].new_locs;
 
   // ---- store the new tokens ---------------------------------------------------------------
   stage("store", [&] {
@@ -226,17 +296,17 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
   const bool any_sparse =
       std::any_of(res.plan.segments.begin(), res.plan.segments.end(),
                   [](const PlanSegment& s) { return s.path == AttentionPath::kSparseMla; });
-  if (any_sparse) res.topk = be.empty(DType::kI32, {t, c.index_topk});
+  if (any_sparse) res.topk = output(out.topk, DType::kI32, {t, c.index_topk});
   if (res.plan.path != AttentionPath::kMixed) {
-    run_path(res.plan.path, bi, dev[0], in, res.o, res.lse, res.topk, stage);
+    run_path(res.plan.path, state.bi, state.dev[0], in, res.o, res.lse, res.topk, stage);
     return res;
   }
   // ---- mixed: each run of requests through its own path over its rows of the batch --------
   be.fill_bytes(res.topk, 0xFF);  // -1: dense rows select nothing
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const PlanSegment& s = *runs[i];
-    const int64_t r0 = bi.cu_q[size_t(s.first_request)],
-                  r1 = bi.cu_q[size_t(s.first_request + s.num_requests)];
+  for (size_t i = 0; i < state.runs.size(); ++i) {
+    const PlanSegment& s = *state.runs[i];
+    const int64_t r0 = state.bi.cu_q[size_t(s.first_request)],
+                  r1 = state.bi.cu_q[size_t(s.first_request + s.num_requests)];
     LayerInputs rows;
     rows.q_nope = slice_rows(in.q_nope, r0, r1);
     rows.q_pe = slice_rows(in.q_pe, r0, r1);
@@ -245,9 +315,10 @@ LayerResult DsaAttention::forward(const Batch& batch, const LayerInputs& in) {
     rows.idx_q = slice_rows(in.idx_q, r0, r1);
     rows.idx_k = slice_rows(in.idx_k, r0, r1);
     rows.idx_w = slice_rows(in.idx_w, r0, r1);
-    run_path(
-        s.path, run_bi[i], dev[i + 1], rows, slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
-        s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{}, stage);
+    run_path(s.path, state.run_bi[i], state.dev[i + 1], rows, slice_rows(res.o, r0, r1),
+             slice_rows(res.lse, r0, r1),
+             s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{},
+             stage);
   }
   return res;
 }

@@ -38,7 +38,13 @@ std::shared_ptr<void> DeviceArena::allocate(size_t bytes) {
     }
   }
   if (block == nullptr) {
+    // cudaMalloc touches no stream, but a stream capture in global or thread-local mode refuses
+    // it as a potentially synchronizing call: relax the mode around it (a graph captured after
+    // the cache ran dry then still gets memory of its own).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
     const cudaError_t status = cudaMalloc(&block, cls);
+    cudaThreadExchangeStreamCaptureMode(&mode);
     if (status == cudaErrorMemoryAllocation) {
       cudaGetLastError();  // clear it so the next launch check does not report it
       DSAKIT_FAIL(kResource, "cuda device ", device_, ": out of memory allocating ", cls, " bytes");

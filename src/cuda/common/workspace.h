@@ -2,7 +2,9 @@
 //
 // DeviceArena backs Backend::empty(): a caching allocator. A freed tensor's block goes back to a
 // free list keyed by its size class and is handed to the next empty() of that class, so a
-// steady-state layer call (same shapes every step) does no cudaMalloc. Blocks are reused in
+// steady-state layer call (same shapes every step) does no cudaMalloc. Blocks handed out while
+// the backend's stream captures a graph stay with the backend, never recycled: the graph writes
+// them on every replay. Blocks are reused in
 // stream order: the backend issues all work on one stream, so a block freed on the host after
 // its last kernel was enqueued can be reused by a later kernel on that stream.
 //
