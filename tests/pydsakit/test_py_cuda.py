@@ -14,7 +14,9 @@ torch = pytest.importorskip("torch")
 
 import dsakit  # noqa: E402
 import pydsakit_ref as ref  # noqa: E402
+import torch_util  # noqa: E402
 from pydsakit_ref import BF16, F32  # noqa: E402
+from torch_util import tn  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
@@ -25,16 +27,7 @@ DEV = "cuda"
 
 
 def tt(a, device=DEV):
-    if a.dtype == BF16:
-        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16).to(device)
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-
-def tn(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BF16)
-    return t.numpy()
+    return torch_util.tt(a, device)
 
 
 @pytest.fixture(scope="module")
