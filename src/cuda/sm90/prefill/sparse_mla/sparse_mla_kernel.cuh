@@ -5,9 +5,10 @@
 // (a block); block 2i goes to buffer K0, block 2i + 1 to K1:
 //
 //   WG2 (producer): Q once, then every block's rows gathered from the pool by location into the
-//     swizzled tiles of its buffer (bf16 pools: cp.async; fp8 pools: dequantized to bf16
-//     through registers), and a valid flag per slot. Each buffer is two halves with their own
-//     full / empty mbarriers: L = dims [0, 256) (tiles 0-3), R = dims [256, 576) (tiles 4-8).
+//     swizzled tiles of its buffer (bf16 pools: cp.async; fp8 pools: codes staged in place by
+//     cp.async, then widened to bf16 in place), and a valid flag per slot. Each buffer is two
+//     halves with their own full / empty mbarriers: L = dims [0, 256) (tiles 0-3), R = dims
+//     [256, 576) (tiles 4-8).
 //   WG0 / WG1 (consumers): WG b owns block 2i + b of iteration i and output dims
 //     [256b, 256b + 256). It computes S_b = Q·K_bᵀ (64 x 64, K = 576), the online softmax of its
 //     block with the running max the two groups share, P_b·V_b over its own dims (P_b from
@@ -25,11 +26,12 @@
 //   parity), row sums [2][64]
 //
 // Synchronization per iteration (named barriers between the consumer groups, 256 threads):
-//   WG0: softmax with max(m, S0) -> smax; arrive MAX0; O += P0·V0L; sync MAX1 (smax = the
-//        final max); P0 rescaled -> smem; arrive P0; wait; release K0.L; rescale O; sync P1;
-//        O += P1·V1L; issue the next S0; wait for P1·V1L; release K1.L.
-//   WG1: sync MAX0; final max = max(smax, S1) -> smax; arrive MAX1; softmax; O += P1·V1R;
-//        P1 -> smem; arrive P1; sync P0; O += P0·V0R; wait; release K1.R, K0.R; next S1.
+//   WG0: softmax with max(m, S0) -> row_max[0]; arrive MAX0; O += P0·V0L; sync MAX1 (the
+//        final max in row_max[1 + i % 2]); P0 rescaled -> smem; arrive P0; wait; release K0.L;
+//        rescale O; sync P1; O += P1·V1L; issue the next S0; wait for P1·V1L; release K1.L.
+//   WG1: sync MAX0; final max = max(row_max[0], S1) -> row_max[1 + i % 2]; arrive MAX1;
+//        softmax; O += P1·V1R; P1 -> smem; arrive P1; sync P0; O += P0·V0R; wait; release K1.R,
+//        K0.R; next S1.
 // A group passes MAX0 of iteration i + 1 only after WG0's P1·V1L of iteration i has completed,
 // so P1's buffer is free when WG1 writes it again.
 #pragma once
