@@ -40,7 +40,16 @@ stage() {  # stage NAME LOG CMD...: runs CMD with its output in LOG, records PAS
 }
 
 # 1. the wheel: CUDA is on wherever nvcc is found (the default); sm_90a comes from CMakeLists.
+# The extension is built with the C++ compiler whose libstdc++ the interpreter loads (a newer GCC
+# on the PATH, e.g. under /opt, puts its headers' inline code over the system's older runtime:
+# docs/python.md, "Building"): PY_CXX overrides.
 rm -rf build-pydev/dist
+py_cxx=${PY_CXX:-}
+if [ -z "$py_cxx" ] && [ -x /usr/bin/g++ ]; then py_cxx=/usr/bin/g++; fi
+if [ -n "$py_cxx" ]; then
+  export CXX=$py_cxx CUDAHOSTCXX=$py_cxx
+  echo "C++ compiler for the extension: $py_cxx ($($py_cxx --version | head -1))" | tee -a "$out/env.txt"
+fi
 stage build "$out/build.log" env CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$py" -m pip wheel . \
   --no-build-isolation --no-deps --disable-pip-version-check -v -w build-pydev/dist \
   -C build-dir=build-pydev/cmake -C cmake.define.DSAKIT_CUDA=ON
@@ -54,17 +63,21 @@ fi
 site=$(mktemp -d)
 check=$(cd "$out" && pwd)/check.py
 cat >"$check" <<'EOF'
-import sys
+import faulthandler, sys
+faulthandler.enable()
 import dsakit
 print(dsakit.__file__, "| cuda compiled:", dsakit.cuda_compiled(), "| GPUs:",
-      dsakit.cuda_device_count())
+      dsakit.cuda_device_count(), flush=True)
 if dsakit.cuda_device_count():
-    print(dsakit.device_name("cuda:0"), dsakit.kernel_instances("cuda:0"))
-sys.exit(0 if dsakit.cuda_compiled() and dsakit.cuda_device_count() else 1)
+    print(dsakit.device_name("cuda:0"), flush=True)
+    print(dsakit.kernel_instances("cuda:0"), flush=True)
+ok = dsakit.cuda_compiled() and dsakit.cuda_device_count()
+print("check done; exiting", flush=True)
+sys.exit(0 if ok else 1)
 EOF
 install_wheel() {
   "$py" -m pip install --no-deps --no-index --disable-pip-version-check --target "$site" \
-    build-pydev/dist/dsakit-*.whl && (cd / && PYTHONPATH="$site" "$py" "$check")
+    build-pydev/dist/dsakit-*.whl && (cd / && PYTHONPATH="$site" "$py" -X faulthandler "$check")
 }
 if [ "${result[build]}" = PASS ]; then
   stage install "$out/install.log" install_wheel

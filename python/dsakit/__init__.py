@@ -17,6 +17,12 @@ from __future__ import annotations
 import importlib.util as _importlib_util
 import os as _os
 
+# PyTorch first when it is there: its CUDA libraries (cuBLAS, ...) then load before the
+# extension's, which shares them by soname instead of putting another copy of the same soname
+# under PyTorch.
+if not _os.environ.get("DSAKIT_NO_TORCH") and _importlib_util.find_spec("torch") is not None:
+    import torch as _torch  # noqa: F401
+
 from . import _arrays
 from ._dsakit import (Array, BackendError, Batch, ConfigError, Error, FormatError, IndexPool,
                       InternalError, InvalidArgumentError, KvPool, LayerOptions,
