@@ -24,6 +24,7 @@ struct BenchOptions {
   std::string json, plot, plot_format = "png";
   uint64_t seed = 1;
   bool quiet = false;
+  int dcp = 0;  // > 0: W-GPU context parallelism against one GPU (tools/dcp_command)
 };
 
 struct CalibrateOptions {

@@ -13,6 +13,7 @@
 #include "dsakit/plan.h"
 #include "tools/bench_command.h"
 #include "tools/cli_common.h"
+#include "tools/dcp_command.h"
 #include "tools/run_command.h"
 
 namespace dsakit::cli {
@@ -195,6 +196,10 @@ int run_cli(int argc, char** argv) {
   run->add_option("--save", ro.save, "Write inputs, outputs and pool rows to a safetensors file");
   run->add_flag("--json", ro.json, "Print a JSON report instead of the table");
   run->add_flag("--quiet", ro.quiet, "Print nothing but errors");
+  run->add_option("--dcp", ro.dcp,
+                  "Context parallelism over W GPUs of this host: one process per GPU over NCCL, "
+                  "position p on rank p % W; with --verify, also against one GPU and the float64 "
+                  "reference (docs/layer.md)");
   run->add_option("--max-workspace-mb", ro.max_workspace_mb,
                   "Refuse a layer call whose workspace estimate exceeds this many MiB (0: no "
                   "limit); exit 3 before the call computes anything");
@@ -278,6 +283,9 @@ int run_cli(int argc, char** argv) {
   bench->add_option("--plot-format", bo.plot_format, "png | svg")->capture_default_str();
   bench->add_option("--seed", bo.seed, "Seed of the random inputs")->capture_default_str();
   bench->add_flag("--quiet", bo.quiet, "No progress line");
+  bench->add_option("--dcp", bo.dcp,
+                    "Context parallelism: time fresh prompts (--fresh, default 16384,65536; "
+                    "--models default deepseek-v3.2:1; first --kv layout) on W GPUs against one");
 
   CalibrateOptions co;
   CLI::App* calibrate = app.add_subcommand(
@@ -334,10 +342,10 @@ int run_cli(int argc, char** argv) {
                      "--prompts, --prefix or --decode-steps\n");
         return kExitUsage;
       }
-      return run_command(ro);
+      return ro.dcp > 0 ? run_dcp_command(ro) : run_command(ro);
     }
     if (*plan) return plan_command(po);
-    if (*bench) return bench_command(bo);
+    if (*bench) return bo.dcp > 0 ? bench_dcp_command(bo) : bench_command(bo);
     if (*calibrate) return calibrate_command(co);
     if (*info) return info_command();
   } catch (const dsakit::Error& e) {

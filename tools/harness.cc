@@ -19,6 +19,13 @@ void fill_normal(Tensor& t, std::mt19937_64& gen, float stddev) {
   }
 }
 
+uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 }  // namespace
 
 TokenStore random_token_store(const ModelConfig& c, const std::vector<int32_t>& lengths,
@@ -36,6 +43,38 @@ TokenStore random_token_store(const ModelConfig& c, const std::vector<int32_t>& 
   s.idx_w = Tensor::host(DType::kF32, {n, c.index_n_heads});
   for (Tensor* t : {&s.q_nope, &s.q_pe, &s.c_kv, &s.k_pe, &s.idx_q, &s.idx_k, &s.idx_w})
     fill_normal(*t, gen, 1.0f);
+  return s;
+}
+
+Tensor uniform_host(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) {
+  Tensor t = Tensor::host(dtype, shape);
+  const int64_t n = t.numel();
+  const uint64_t base = splitmix64(seed);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t z = splitmix64(base + uint64_t(i));
+    const float u = float(int32_t(uint32_t(z >> 32))) * (scale / 2147483648.0f);
+    if (dtype == DType::kBF16)
+      t.ptr<bf16_t>()[i] = f32_to_bf16(u);
+    else
+      t.ptr<float>()[i] = u;
+  }
+  return t;
+}
+
+TokenStore uniform_token_store(const ModelConfig& c, const std::vector<int32_t>& lengths,
+                               uint64_t seed) {
+  TokenStore s;
+  s.lengths = lengths;
+  const int64_t n = s.rows();
+  const float unit = std::sqrt(3.0f);  // uniform [-sqrt 3, sqrt 3): variance 1
+  s.q_nope = uniform_host(DType::kBF16, {n, c.num_heads, c.qk_nope_head_dim}, seed, unit);
+  s.q_pe = uniform_host(DType::kBF16, {n, c.num_heads, c.qk_rope_head_dim}, seed + 1, unit);
+  s.c_kv = uniform_host(DType::kBF16, {n, c.kv_lora_rank}, seed + 2, unit);
+  s.k_pe = uniform_host(DType::kBF16, {n, c.qk_rope_head_dim}, seed + 3, unit);
+  s.idx_q = uniform_host(DType::kBF16, {n, c.index_n_heads, c.index_head_dim}, seed + 4, unit);
+  s.idx_k = uniform_host(DType::kBF16, {n, c.index_head_dim}, seed + 5, unit);
+  s.idx_w = uniform_host(DType::kF32, {n, c.index_n_heads}, seed + 6, unit);
   return s;
 }
 

@@ -18,6 +18,14 @@ namespace dsakit {
 TokenStore random_token_store(const ModelConfig& config, const std::vector<int32_t>& lengths,
                               uint64_t seed);
 
+// Uniform in [-scale, scale) (bf16 or f32), never all zeros; counter-based, filled by every
+// OpenMP thread: fast enough for the multi-GB inputs of long prompts.
+Tensor uniform_host(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale);
+
+// As random_token_store with uniform values of unit variance (uniform_host): for long prompts.
+TokenStore uniform_token_store(const ModelConfig& config, const std::vector<int32_t>& lengths,
+                               uint64_t seed);
+
 // Random kv_b_proj bf16 [H*(d_nope+d_v), d_c] on the host, scaled ~1/sqrt(d_c).
 Tensor random_kv_b_proj(const ModelConfig& config, uint64_t seed);
 

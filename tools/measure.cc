@@ -52,30 +52,6 @@ double plan_flops(const ModelConfig& c, const Batch& b, const Plan& plan) {
 
 namespace {
 
-uint64_t splitmix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Uniform in [-scale, scale), never all zeros; counter-based so threads fill it in parallel.
-Tensor random_host(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) {
-  Tensor t = Tensor::host(dtype, shape);
-  const int64_t n = t.numel();
-  const uint64_t base = splitmix64(seed);
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t z = splitmix64(base + uint64_t(i));
-    const float u = float(int32_t(uint32_t(z >> 32))) * (scale / 2147483648.0f);
-    if (dtype == DType::kBF16)
-      t.ptr<bf16_t>()[i] = f32_to_bf16(u);
-    else
-      t.ptr<float>()[i] = u;
-  }
-  return t;
-}
-
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
@@ -133,7 +109,7 @@ void LayerBench::prepare(const BenchShape& shape) {
   st->batch.prefix_lens = shape.prefix;
   st->batch.extend_lens = shape.extend;
   st->batch.page_tables = allocate_pages(lengths, page, pages, seed_ + 1);
-  st->w = be_.to_device(random_host(
+  st->w = be_.to_device(uniform_host(
       DType::kBF16, {h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, seed_ + 2, 0.08f));
 
   KvPoolDesc kd;
@@ -160,7 +136,7 @@ void LayerBench::prepare(const BenchShape& shape) {
     auto set = std::make_unique<State::Set>(be_.make_kv_pool(kd),
                                             be_.make_index_pool({page, pages, c.index_head_dim}));
     auto dev = [&](DType dt, std::vector<int64_t> shape_, uint64_t k, float scale = 1.0f) {
-      return be_.to_device(random_host(dt, shape_, seed + k, scale));
+      return be_.to_device(uniform_host(dt, shape_, seed + k, scale));
     };
     set->q_nope = dev(DType::kBF16, {t, h, c.qk_nope_head_dim}, 1);
     set->q_pe = dev(DType::kBF16, {t, h, c.qk_rope_head_dim}, 2);

@@ -60,89 +60,6 @@ double mib(int64_t bytes) {
   return double(bytes) / double(1 << 20);
 }
 
-// The options checked before anything is read or allocated.
-void check_run_options(const RunOptions& opt) {
-  DSAKIT_CHECK_ARG(opt.page_size >= 1 && opt.page_size <= 4096,
-                   "--page-size: expected 1..4096, got ", opt.page_size);
-  DSAKIT_CHECK_ARG(opt.chunk >= 0, "--chunk: expected >= 0, got ", opt.chunk);
-  DSAKIT_CHECK_ARG(opt.decode_steps >= 0 && opt.decode_steps <= 100000,
-                   "--decode-steps: expected 0..100000, got ", opt.decode_steps);
-  DSAKIT_CHECK_ARG(opt.verify_tokens >= 1, "--verify-tokens: expected >= 1, got ",
-                   opt.verify_tokens);
-  DSAKIT_CHECK_ARG(opt.verify_tol >= 0 && opt.verify_tol < 1, "--verify-tol: expected [0, 1), got ",
-                   opt.verify_tol);
-  DSAKIT_CHECK_ARG(opt.max_workspace_mb >= 0 && opt.max_workspace_mb <= (int64_t(1) << 40),
-                   "--max-workspace-mb: expected 0..2^40 (0: no limit), got ",
-                   opt.max_workspace_mb);
-}
-
-// The lengths of the run: from the --inputs file's metadata (the file is read into `in_file`)
-// or from the options; checked.
-RunLengths run_lengths(const RunOptions& opt, SafetensorsFile& in_file) {
-  RunLengths len;
-  if (!opt.inputs.empty()) {
-    in_file = SafetensorsFile::read(opt.inputs);
-    len = read_run_lengths(in_file, opt.inputs);
-  } else {
-    len.prompt = parse_int_list(opt.prompts, "--prompts", 1);
-    len.prefix = opt.prefix.empty() ? std::vector<int32_t>(len.prompt.size(), 0)
-                                    : parse_int_list(opt.prefix, "--prefix", 0);
-    len.decode_steps = opt.decode_steps;
-  }
-  const size_t b = len.prompt.size();
-  DSAKIT_CHECK_ARG(b >= 1 && b <= 4096, "--prompts: expected 1..4096 requests, got ", b);
-  DSAKIT_CHECK_ARG(len.prefix.size() == b, "--prefix: expected ", b,
-                   " values (one per prompt), got ", len.prefix.size());
-  int64_t total_tokens = 0;
-  for (size_t r = 0; r < b; ++r) {
-    DSAKIT_CHECK_ARG(len.prompt[r] >= 1, "--prompts: request ", r, " has length 0");
-    DSAKIT_CHECK_ARG(len.prefix[r] < len.prompt[r], "--prefix: request ", r, " prefix ",
-                     len.prefix[r], " must be shorter than its prompt ", len.prompt[r]);
-    total_tokens += int64_t(len.prompt[r]) + len.decode_steps;
-    DSAKIT_CHECK_ARG(int64_t(len.prompt[r]) + len.decode_steps <= (int64_t(1) << 24),
-                     "--prompts: request ", r, " length exceeds 16M tokens");
-  }
-  DSAKIT_CHECK_ARG(total_tokens <= (int64_t(1) << 24), "--prompts: ", total_tokens,
-                   " tokens in total exceed the 16M-token limit of one run");
-  return len;
-}
-
-// The backend, the inputs (random or from --inputs), the pools with their page tables, and the
-// layer.
-void set_up_run(const RunOptions& opt, RunState& run) {
-  const ModelConfig& cfg = run.cfg;
-  run.be = opt.device == "cpu" ? make_cpu_backend(opt.threads) : make_backend(opt.device);
-  run.tokens = opt.inputs.empty() ? random_token_store(cfg, run.len.total(), opt.seed)
-                                  : read_run_inputs(run.in_file, cfg, run.len, run.kv_b_proj_host);
-  if (opt.inputs.empty()) run.kv_b_proj_host = random_kv_b_proj(cfg, opt.seed + 1);
-  run.kv_b_proj = run.be->to_device(run.kv_b_proj_host);
-
-  KvPoolDesc& kd = run.kd;
-  kd.layout = parse_kv_layout(opt.kv);
-  kd.page_size = opt.page_size;
-  kd.d_c = cfg.kv_lora_rank;
-  kd.d_rope = cfg.qk_rope_head_dim;
-  kd.scale_policy = parse_scale_policy(opt.scale_policy);
-  kd.k_scale = float(opt.k_scale);
-  int64_t pages = 0;
-  for (int32_t l : run.tokens.lengths) pages += (l + opt.page_size - 1) / opt.page_size;
-  kd.num_pages = pages + 4;  // a few spare pages nobody owns
-  run.kv_pool = run.be->make_kv_pool(kd);
-  run.index_pool = run.be->make_index_pool({opt.page_size, kd.num_pages, cfg.index_head_dim});
-  run.tables = allocate_pages(run.tokens.lengths, opt.page_size, kd.num_pages, opt.seed + 2);
-
-  LayerOptions lo;
-  lo.sm_scale = opt.sm_scale;
-  lo.policy.mode = parse_dispatch_mode(opt.dispatch);
-  lo.policy.threshold = opt.threshold;
-  lo.policy.allow_approximation = opt.allow_approx;
-  if (!opt.profile.empty()) lo.policy = lo.policy.with_profile(opt.profile);
-  lo.time_stages = true;
-  lo.max_workspace_bytes = opt.max_workspace_mb << 20;
-  run.layer =
-      std::make_unique<DsaAttention>(cfg, *run.be, run.kv_pool, run.index_pool, run.kv_b_proj, lo);
-}
-
 void print_run_header(const RunOptions& opt, const RunState& run) {
   fmt::print("model    {}\n", run.cfg.summary());
   fmt::print("device   {}\n", run.be->capabilities().device_name);
@@ -150,37 +67,6 @@ void print_run_header(const RunOptions& opt, const RunState& run) {
   fmt::print("batch    prompts [{}] cached prefix [{}] chunk {} decode steps {}  sm_scale {:.6g}\n",
              join_int_list(run.len.prompt), join_int_list(run.len.prefix), opt.chunk,
              run.len.decode_steps, run.layer->sm_scale());
-}
-
-// The run: the cached prefix (one call), the rest of each prompt (in --chunk pieces), then the
-// decode steps, all into run.out.
-void run_steps(const RunOptions& opt, RunState& run) {
-  const RunLengths& len = run.len;
-  const size_t b = len.prompt.size();
-  DsaAttention& layer = *run.layer;
-  RunOutputs& out = run.out;
-  Progress progress;
-  progress.enabled = !opt.quiet && !opt.json && (isatty(2) || run.tokens.rows() > 4096);
-  std::vector<int32_t> zeros(b, 0), prompt_end(len.prompt);
-  const auto t0 = std::chrono::steady_clock::now();
-  if (std::any_of(len.prefix.begin(), len.prefix.end(), [](int32_t p) { return p > 0; })) {
-    progress.label = "cached prefix";
-    run_schedule(layer, run.tables, run.tokens, {zeros, len.prefix, 0, ForwardMode::kExtend}, out,
-                 progress);
-    std::fill(out.ran.begin(), out.ran.end(), 0);  // prefix rows are setup, not results
-    run.prefix_steps = out.steps.size();
-  }
-  progress.label = "prefill";
-  run_schedule(layer, run.tables, run.tokens,
-               {len.prefix, prompt_end, opt.chunk, ForwardMode::kExtend}, out, progress);
-  for (int s = 0; s < len.decode_steps; ++s) {
-    std::vector<int32_t> a(b), e(b);
-    for (size_t r = 0; r < b; ++r) a[r] = len.prompt[r] + s, e[r] = a[r] + 1;
-    progress.label = "decode";
-    run_schedule(layer, run.tables, run.tokens, {a, e, 1, ForwardMode::kDecode}, out);
-  }
-  run.wall_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // The plans the steps after the cached prefix took, with how many steps each, and their summed
@@ -287,6 +173,147 @@ void print_run_text(const RunOptions& opt, const RunState& run, const StepSummar
 
 }  // namespace
 
+// The options checked before anything is read or allocated.
+void check_run_options(const RunOptions& opt) {
+  DSAKIT_CHECK_ARG(opt.page_size >= 1 && opt.page_size <= 4096,
+                   "--page-size: expected 1..4096, got ", opt.page_size);
+  DSAKIT_CHECK_ARG(opt.chunk >= 0, "--chunk: expected >= 0, got ", opt.chunk);
+  DSAKIT_CHECK_ARG(opt.decode_steps >= 0 && opt.decode_steps <= 100000,
+                   "--decode-steps: expected 0..100000, got ", opt.decode_steps);
+  DSAKIT_CHECK_ARG(opt.verify_tokens >= 1, "--verify-tokens: expected >= 1, got ",
+                   opt.verify_tokens);
+  DSAKIT_CHECK_ARG(opt.verify_tol >= 0 && opt.verify_tol < 1, "--verify-tol: expected [0, 1), got ",
+                   opt.verify_tol);
+  DSAKIT_CHECK_ARG(opt.max_workspace_mb >= 0 && opt.max_workspace_mb <= (int64_t(1) << 40),
+                   "--max-workspace-mb: expected 0..2^40 (0: no limit), got ",
+                   opt.max_workspace_mb);
+}
+
+// The lengths of the run: from the --inputs file's metadata (the file is read into `in_file`)
+// or from the options; checked.
+RunLengths run_lengths(const RunOptions& opt, SafetensorsFile& in_file) {
+  RunLengths len;
+  if (!opt.inputs.empty()) {
+    in_file = SafetensorsFile::read(opt.inputs);
+    len = read_run_lengths(in_file, opt.inputs);
+  } else {
+    len.prompt = parse_int_list(opt.prompts, "--prompts", 1);
+    len.prefix = opt.prefix.empty() ? std::vector<int32_t>(len.prompt.size(), 0)
+                                    : parse_int_list(opt.prefix, "--prefix", 0);
+    len.decode_steps = opt.decode_steps;
+  }
+  const size_t b = len.prompt.size();
+  DSAKIT_CHECK_ARG(b >= 1 && b <= 4096, "--prompts: expected 1..4096 requests, got ", b);
+  DSAKIT_CHECK_ARG(len.prefix.size() == b, "--prefix: expected ", b,
+                   " values (one per prompt), got ", len.prefix.size());
+  int64_t total_tokens = 0;
+  for (size_t r = 0; r < b; ++r) {
+    DSAKIT_CHECK_ARG(len.prompt[r] >= 1, "--prompts: request ", r, " has length 0");
+    DSAKIT_CHECK_ARG(len.prefix[r] < len.prompt[r], "--prefix: request ", r, " prefix ",
+                     len.prefix[r], " must be shorter than its prompt ", len.prompt[r]);
+    total_tokens += int64_t(len.prompt[r]) + len.decode_steps;
+    DSAKIT_CHECK_ARG(int64_t(len.prompt[r]) + len.decode_steps <= (int64_t(1) << 24),
+                     "--prompts: request ", r, " length exceeds 16M tokens");
+  }
+  DSAKIT_CHECK_ARG(total_tokens <= (int64_t(1) << 24), "--prompts: ", total_tokens,
+                   " tokens in total exceed the 16M-token limit of one run");
+  return len;
+}
+
+// The backend, the inputs (random or from --inputs), the pools with their page tables, and the
+// layer.
+void set_up_run(const RunOptions& opt, RunState& run) {
+  const ModelConfig& cfg = run.cfg;
+  run.be = opt.device == "cpu" ? make_cpu_backend(opt.threads) : make_backend(opt.device);
+  run.tokens = opt.inputs.empty() ? random_token_store(cfg, run.len.total(), opt.seed)
+                                  : read_run_inputs(run.in_file, cfg, run.len, run.kv_b_proj_host);
+  if (opt.inputs.empty()) run.kv_b_proj_host = random_kv_b_proj(cfg, opt.seed + 1);
+  set_up_layer(opt, run);
+}
+
+void set_up_layer(const RunOptions& opt, RunState& run) {
+  const ModelConfig& cfg = run.cfg;
+  run.kv_b_proj = run.be->to_device(run.kv_b_proj_host);
+  KvPoolDesc& kd = run.kd = run_pool_desc(opt, cfg);
+  int64_t pages = 0;
+  for (int32_t l : run.tokens.lengths) pages += (l + opt.page_size - 1) / opt.page_size;
+  kd.num_pages = pages + 4;  // a few spare pages nobody owns
+  run.kv_pool = run.be->make_kv_pool(kd);
+  run.index_pool = run.be->make_index_pool({opt.page_size, kd.num_pages, cfg.index_head_dim});
+  run.tables = allocate_pages(run.tokens.lengths, opt.page_size, kd.num_pages, opt.seed + 2);
+
+  run.layer = std::make_unique<DsaAttention>(cfg, *run.be, run.kv_pool, run.index_pool,
+                                             run.kv_b_proj, run_layer_options(opt));
+}
+
+KvPoolDesc run_pool_desc(const RunOptions& opt, const ModelConfig& cfg) {
+  KvPoolDesc kd;
+  kd.layout = parse_kv_layout(opt.kv);
+  kd.page_size = opt.page_size;
+  kd.d_c = cfg.kv_lora_rank;
+  kd.d_rope = cfg.qk_rope_head_dim;
+  kd.scale_policy = parse_scale_policy(opt.scale_policy);
+  kd.k_scale = float(opt.k_scale);
+  return kd;
+}
+
+LayerOptions run_layer_options(const RunOptions& opt) {
+  LayerOptions lo;
+  lo.sm_scale = opt.sm_scale;
+  lo.policy.mode = parse_dispatch_mode(opt.dispatch);
+  lo.policy.threshold = opt.threshold;
+  lo.policy.allow_approximation = opt.allow_approx;
+  if (!opt.profile.empty()) lo.policy = lo.policy.with_profile(opt.profile);
+  lo.time_stages = true;
+  lo.max_workspace_bytes = opt.max_workspace_mb << 20;
+  return lo;
+}
+
+StepsResult run_steps(const RunOptions& opt, const RunLengths& len, const ModelConfig& cfg,
+                      Backend& be, const LayerForward& forward,
+                      const std::vector<std::vector<int32_t>>& tables, const TokenStore& tokens,
+                      RunOutputs& out) {
+  const size_t b = len.prompt.size();
+  StepsResult result;
+  Progress progress;
+  progress.enabled = !opt.quiet && !opt.json && (isatty(2) || tokens.rows() > 4096);
+  std::vector<int32_t> zeros(b, 0), prompt_end(len.prompt);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (std::any_of(len.prefix.begin(), len.prefix.end(), [](int32_t p) { return p > 0; })) {
+    progress.label = "cached prefix";
+    run_schedule(cfg, be, forward, tables, tokens, {zeros, len.prefix, 0, ForwardMode::kExtend},
+                 out, progress);
+    std::fill(out.ran.begin(), out.ran.end(), 0);  // prefix rows are setup, not results
+    result.prefix_steps = out.steps.size();
+  }
+  progress.label = "prefill";
+  run_schedule(cfg, be, forward, tables, tokens,
+               {len.prefix, prompt_end, opt.chunk, ForwardMode::kExtend}, out, progress);
+  for (int s = 0; s < len.decode_steps; ++s) {
+    std::vector<int32_t> a(b), e(b);
+    for (size_t r = 0; r < b; ++r) a[r] = len.prompt[r] + s, e[r] = a[r] + 1;
+    progress.label = "decode";
+    run_schedule(cfg, be, forward, tables, tokens, {a, e, 1, ForwardMode::kDecode}, out);
+  }
+  result.wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+// The run: the cached prefix (one call), the rest of each prompt (in --chunk pieces), then the
+// decode steps, all into run.out.
+void run_layer_steps(const RunOptions& opt, RunState& run) {
+  DsaAttention& layer = *run.layer;
+  const LayerForward forward = [&](const Batch& batch, const std::vector<int32_t>&,
+                                   const LayerInputs& inputs) {
+    return layer.forward(batch, inputs);
+  };
+  const StepsResult r =
+      run_steps(opt, run.len, run.cfg, *run.be, forward, run.tables, run.tokens, run.out);
+  run.prefix_steps = r.prefix_steps;
+  run.wall_ms = r.wall_ms;
+}
+
 int run_command(const RunOptions& opt) {
   RunState run;
   run.cfg = load_model(opt.model, opt.tp);
@@ -296,7 +323,7 @@ int run_command(const RunOptions& opt) {
   if (!opt.quiet && !opt.json) print_run_header(opt, run);
   std::fflush(stdout);
 
-  run_steps(opt, run);
+  run_layer_steps(opt, run);
   const StepSummary steps = summarize_steps(run);
   MemoryReport mem = memory_report(run);
   VerifyResult vr;

@@ -51,4 +51,31 @@ struct RunState {
   RunState& operator=(const RunState&) = delete;
 };
 
+// The steps of a run through `forward`: the cached prefix (one call, its rows then marked not
+// run), the rest of each prompt in --chunk pieces, then the decode steps, into `out`.
+struct StepsResult {
+  size_t prefix_steps = 0;  // out.steps that stored the cached prefix
+  double wall_ms = 0;       // the steps' wall time
+};
+struct RunOptions;
+// The options checked before anything is read or allocated.
+void check_run_options(const RunOptions& options);
+// The run's lengths, from --inputs (read into in_file) or the options; checked.
+RunLengths run_lengths(const RunOptions& options, SafetensorsFile& in_file);
+// The backend, the inputs, the pools with their page tables and the layer of a one-device run.
+void set_up_run(const RunOptions& options, RunState& run);
+// The pools (sized for run.tokens), page tables and layer of a run whose backend, inputs and
+// kv_b_proj_host are set (the second half of set_up_run).
+void set_up_layer(const RunOptions& options, RunState& run);
+// The pool a run's flags describe (num_pages left 0).
+KvPoolDesc run_pool_desc(const RunOptions& options, const ModelConfig& config);
+// The layer options a run's flags ask for (stage times on).
+LayerOptions run_layer_options(const RunOptions& options);
+// run_steps through run.layer, into run.out (run.prefix_steps, run.wall_ms).
+void run_layer_steps(const RunOptions& options, RunState& run);
+StepsResult run_steps(const RunOptions& options, const RunLengths& lengths,
+                      const ModelConfig& config, Backend& backend, const LayerForward& forward,
+                      const std::vector<std::vector<int32_t>>& page_tables,
+                      const TokenStore& tokens, RunOutputs& out);
+
 }  // namespace dsakit::cli

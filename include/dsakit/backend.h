@@ -121,6 +121,9 @@ class Backend {
   virtual ~Backend() = default;
   virtual const Capabilities& capabilities() const = 0;
   Device device() const { return capabilities().device; }
+  // A new backend on the same device with its own stream and memory (CPU: the same threads).
+  // One backend serves one thread at a time; threads that run concurrently take a peer each.
+  virtual std::unique_ptr<Backend> make_peer() const = 0;
 
   // ---- memory -------------------------------------------------------------------------
   virtual Tensor empty(DType dtype, const std::vector<int64_t>& shape) = 0;
@@ -234,10 +237,25 @@ class Backend {
   virtual void sparse_mla(const SparseMlaArgs& args) = 0;
   virtual void dense_mha(const DenseMhaArgs& args) = 0;
   // Merges W partial results by lse (DCP): o = Σ_w exp(lse_w - lse) o_w, lse = log Σ exp(lse_w).
-  // o_parts f32 [W, T, H, D], lse_parts f32 [W, T, H] -> o [T, H, D] (bf16|f32), lse f32 [T, H].
-  // A part with lse = +inf (no valid key) contributes nothing.
+  // o_parts [W, T, H, D] (bf16|f32), lse_parts f32 [W, T, H] -> o [T, H, D] (bf16|f32), lse f32
+  // [T, H]. A part with lse = +inf (no valid key) contributes nothing.
   virtual void merge_partials(const TensorView& o_parts, const TensorView& lse_parts,
                               const TensorView& o, const TensorView& lse) = 0;
+
+  // ---- context parallelism (docs/layer.md) ---------------------------------------------
+  // dst[i] = src[rows[i]]: src [N, ...] and dst [M, ...] contiguous, one dtype, the same trailing
+  // shape; rows i32 [M], each in [0, N) (checked on the host where index checks are on; the
+  // kernel skips a row out of range).
+  virtual void select_rows(const TensorView& src, const TensorView& rows, const TensorView& dst);
+  // The global top-k of W shards' candidates: row t's candidates are (scores[w, t, j],
+  // positions[w, t, j]) for every w and j with positions >= 0 (positions distinct within a row).
+  // Writes the k best of them as positions in ascending order, -1 padded, into out i32 [T, k]:
+  // larger score first, NaN below every number (-inf included), ties to the lower position. A
+  // row with at most k candidates selects all of them without reading their scores.
+  // scores f32 [W, T, C], positions i32 [W, T, C], C >= 1, W * C <= kMergeTopkMaxCandidates.
+  static constexpr int64_t kMergeTopkMaxCandidates = 16384;
+  virtual void merge_topk(const TensorView& scores, const TensorView& positions, int k,
+                          const TensorView& out);
 
   // ---- index plumbing -----------------------------------------------------------------
   // Top-k positions -> pool locations: out[t, j] = kv_locs[kv_start[t] + pos] for a valid

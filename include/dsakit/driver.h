@@ -60,4 +60,14 @@ void run_schedule(DsaAttention& layer, const std::vector<std::vector<int32_t>>& 
                   const TokenStore& tokens, const RunSchedule& schedule, RunOutputs& out,
                   const std::function<void(int64_t, int64_t)>& progress = {});
 
+// The same over any forward with the DsaAttention::forward contract: `requests[i]` is the
+// TokenStore request of the step's batch entry i (a DcpRank keeps its own page tables and
+// finds a request's by it). Outputs are read back on `backend`.
+using LayerForward = std::function<LayerResult(
+    const Batch& batch, const std::vector<int32_t>& requests, const LayerInputs& inputs)>;
+void run_schedule(const ModelConfig& config, Backend& backend, const LayerForward& forward,
+                  const std::vector<std::vector<int32_t>>& page_tables, const TokenStore& tokens,
+                  const RunSchedule& schedule, RunOutputs& out,
+                  const std::function<void(int64_t, int64_t)>& progress = {});
+
 }  // namespace dsakit

@@ -101,6 +101,15 @@ Backend::HostIndexValues Backend::host_index_values(const TensorView& t) const {
   return h;
 }
 
+void Backend::select_rows(const TensorView&, const TensorView&, const TensorView&) {
+  DSAKIT_FAIL(kUnsupported, "select_rows: not implemented by the ", to_string(device()),
+              " backend");
+}
+
+void Backend::merge_topk(const TensorView&, const TensorView&, int, const TensorView&) {
+  DSAKIT_FAIL(kUnsupported, "merge_topk: not implemented by the ", to_string(device()), " backend");
+}
+
 void Backend::positions_to_locations(const TensorView&, const TensorView&, const TensorView&,
                                      const TensorView&, const TensorView&) {
   DSAKIT_FAIL(kUnsupported, "positions_to_locations: not implemented by the ", to_string(device()),

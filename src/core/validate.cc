@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <unordered_set>
+#include <vector>
 
 #include "dsakit/error.h"
 
@@ -85,7 +86,9 @@ void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const 
 namespace {
 
 // The key side of the indexer for T tokens: pool on `dev`, kv_locs i32 [N_kv], kv_start and
-// ctx_len i32 [T], every kv_start[t] + ctx_len[t] within kv_locs and every location in the pool.
+// ctx_len i32 [T], every kv_start[t] + ctx_len[t] within kv_locs and every location a token reads
+// (entries of the ranges [kv_start[t], kv_start[t] + ctx_len[t])) in the pool; entries no range
+// covers are never read and may hold anything (e.g. -1 padding).
 int64_t check_index_layout(const IndexerArgs& a, int64_t t, Device dev, const int32_t* host_kv_locs,
                            const int32_t* host_kv_start, const int32_t* host_ctx_len) {
   check_tensor(a.kv_locs, "kv_locs", DType::kI32, dev, {-1});
@@ -103,8 +106,25 @@ int64_t check_index_layout(const IndexerArgs& a, int64_t t, Device dev, const in
       max_ctx = std::max<int64_t>(max_ctx, host_ctx_len[i]);
     }
   }
-  check_locs_values(host_kv_locs, host_kv_locs ? n_kv : 0, a.keys->desc().num_locations(),
-                    "kv_locs", false);
+  if (host_kv_locs && host_kv_start && host_ctx_len) {
+    std::vector<int32_t> depth(size_t(n_kv) + 1, 0);  // ranges covering each entry (prefix sum)
+    for (int64_t i = 0; i < t; ++i) {
+      ++depth[size_t(host_kv_start[i])];
+      --depth[size_t(host_kv_start[i]) + size_t(host_ctx_len[i])];
+    }
+    const int64_t num_locations = a.keys->desc().num_locations();
+    int32_t covered = 0;
+    for (int64_t j = 0; j < n_kv; ++j) {
+      covered += depth[size_t(j)];
+      if (covered > 0)
+        DSAKIT_CHECK_ARG(host_kv_locs[j] >= 0 && host_kv_locs[j] < num_locations, "kv_locs[", j,
+                         "]: expected a pool location in [0, ", num_locations, "), got ",
+                         host_kv_locs[j]);
+    }
+  } else {
+    check_locs_values(host_kv_locs, host_kv_locs ? n_kv : 0, a.keys->desc().num_locations(),
+                      "kv_locs", false);
+  }
   return max_ctx;
 }
 
@@ -286,13 +306,59 @@ void positions_to_locations(const TensorView& positions, const TensorView& kv_lo
 
 void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
                     const TensorView& lse, Device dev) {
-  check_tensor(o_parts, "o_parts", DType::kF32, dev, {-1, -1, -1, -1});
+  check_tensor(o_parts, "o_parts", kFloat, dev, {-1, -1, -1, -1});
   const int64_t w = o_parts.shape[0], t = o_parts.shape[1], h = o_parts.shape[2],
                 d = o_parts.shape[3];
   DSAKIT_CHECK_ARG(w >= 1, "o_parts: expected at least one part");
   check_tensor(lse_parts, "lse_parts", DType::kF32, dev, {w, t, h});
   check_tensor(o, "o", kFloat, dev, {t, h, d});
   check_tensor(lse, "lse", DType::kF32, dev, {t, h});
+}
+
+void select_rows(const TensorView& src, const TensorView& rows, const TensorView& dst, Device dev,
+                 const int32_t* host_rows) {
+  DSAKIT_CHECK_ARG(src.ndim >= 1, "select_rows src: expected at least one dim, got shape ",
+                   src.shape_str());
+  DSAKIT_CHECK_ARG(src.device == dev, "select_rows src: expected a ", to_string(dev),
+                   " tensor, got a ", to_string(src.device), " tensor");
+  DSAKIT_CHECK_ARG(src.is_contiguous(), "select_rows src: expected a contiguous tensor of shape ",
+                   src.shape_str());
+  DSAKIT_CHECK_ARG(src.data != nullptr || src.numel() == 0, "select_rows src: null data pointer");
+  check_tensor(rows, "rows", DType::kI32, dev, {-1});
+  const int64_t m = rows.shape[0], n = src.shape[0];
+  DSAKIT_CHECK_ARG(dst.dtype == src.dtype, "select_rows dst: expected dtype ", to_string(src.dtype),
+                   " (of src), got ", to_string(dst.dtype));
+  bool same_shape = dst.ndim == src.ndim && dst.shape[0] == m;
+  for (int d = 1; same_shape && d < src.ndim; ++d)
+    same_shape = dst.shape[size_t(d)] == src.shape[size_t(d)];
+  DSAKIT_CHECK_ARG(same_shape, "select_rows dst: expected shape [", m,
+                   " (rows), then the trailing dims of src ", src.shape_str(), "], got ",
+                   dst.shape_str());
+  DSAKIT_CHECK_ARG(dst.device == dev, "select_rows dst: expected a ", to_string(dev),
+                   " tensor, got a ", to_string(dst.device), " tensor");
+  DSAKIT_CHECK_ARG(dst.is_contiguous(), "select_rows dst: expected a contiguous tensor of shape ",
+                   dst.shape_str());
+  DSAKIT_CHECK_ARG(dst.data != nullptr || dst.numel() == 0, "select_rows dst: null data pointer");
+  if (host_rows == nullptr) return;
+  for (int64_t i = 0; i < m; ++i)
+    DSAKIT_CHECK_ARG(host_rows[i] >= 0 && host_rows[i] < n, "rows[", i,
+                     "]: expected a row of src in [0, ", n, "), got ", host_rows[i]);
+}
+
+void merge_topk(const TensorView& scores, const TensorView& positions, int k, const TensorView& out,
+                Device dev) {
+  DSAKIT_CHECK_ARG(k >= 1, "merge_topk k: expected >= 1, got ", k);
+  check_tensor(scores, "scores", DType::kF32, dev, {-1, -1, -1});
+  const int64_t w = scores.shape[0], t = scores.shape[1], c = scores.shape[2];
+  DSAKIT_CHECK_ARG(w >= 1 && c >= 1,
+                   "scores: expected at least one shard and one candidate per shard [W >= 1, T, "
+                   "C >= 1], got shape ",
+                   scores.shape_str());
+  DSAKIT_CHECK_ARG(w * c <= Backend::kMergeTopkMaxCandidates, "scores: W * C = ", w, " * ", c,
+                   " = ", w * c, " candidates per row exceeds the limit of ",
+                   Backend::kMergeTopkMaxCandidates);
+  check_tensor(positions, "positions", DType::kI32, dev, {w, t, c});
+  check_tensor(out, "merge_topk out", DType::kI32, dev, {t, k});
 }
 
 }  // namespace dsakit::validate

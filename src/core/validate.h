@@ -51,7 +51,17 @@ void positions_to_locations(const TensorView& positions, const TensorView& kv_lo
                             const TensorView& kv_start, const TensorView& ctx_len,
                             const TensorView& out, Device dev, const int32_t* host_kv_start,
                             const int32_t* host_ctx_len);
+// o_parts bf16 | f32 [W, T, H, D] (W >= 1), lse_parts f32 [W, T, H], o bf16 | f32 [T, H, D],
+// lse f32 [T, H].
 void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
                     const TensorView& lse, Device dev);
+// src [N, ...] and dst [M, ...]: contiguous, one dtype, the same trailing shape; rows i32 [M].
+// host_rows (nullptr skips the check): every entry in [0, N).
+void select_rows(const TensorView& src, const TensorView& rows, const TensorView& dst, Device dev,
+                 const int32_t* host_rows);
+// scores f32 [W, T, C] and positions i32 [W, T, C] with C >= 1 and W * C <=
+// Backend::kMergeTopkMaxCandidates, k >= 1, out i32 [T, k].
+void merge_topk(const TensorView& scores, const TensorView& positions, int k, const TensorView& out,
+                Device dev);
 
 }  // namespace dsakit::validate

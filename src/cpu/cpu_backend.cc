@@ -34,6 +34,9 @@ class CpuBackend final : public Backend {
   }
 
   const Capabilities& capabilities() const override { return caps_; }
+  std::unique_ptr<Backend> make_peer() const override {
+    return std::make_unique<CpuBackend>(ctx_.threads);
+  }
 
   Tensor empty(DType dtype, const std::vector<int64_t>& shape) override {
     return Tensor::host(dtype, shape);
@@ -168,6 +171,16 @@ class CpuBackend final : public Backend {
                       const TensorView& lse) override {
     validate::merge_partials(o_parts, lse_parts, o, lse, Device::kCpu);
     cpu::merge_partials(ctx_, o_parts, lse_parts, o, lse);
+  }
+
+  void select_rows(const TensorView& src, const TensorView& rows, const TensorView& dst) override {
+    validate::select_rows(src, rows, dst, Device::kCpu, host_i32(rows));
+    cpu::select_rows(ctx_, src, rows, dst);
+  }
+  void merge_topk(const TensorView& scores, const TensorView& positions, int k,
+                  const TensorView& out) override {
+    validate::merge_topk(scores, positions, k, out, Device::kCpu);
+    cpu::merge_topk(ctx_, scores, positions, k, out);
   }
 
   void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,

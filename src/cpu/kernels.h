@@ -48,4 +48,10 @@ void dense_mha(const CpuContext& ctx, const DenseMhaArgs& args);
 void merge_partials(const CpuContext& ctx, const TensorView& o_parts, const TensorView& lse_parts,
                     const TensorView& o, const TensorView& lse);
 
+// dcp/dcp_ops.cc
+void select_rows(const CpuContext& ctx, const TensorView& src, const TensorView& rows,
+                 const TensorView& dst);
+void merge_topk(const CpuContext& ctx, const TensorView& scores, const TensorView& positions, int k,
+                const TensorView& out);
+
 }  // namespace dsakit::cpu

@@ -1,7 +1,7 @@
 // The CUDA backend (docs/cuda.md): dsakit::Backend on one sm_90 device and one stream.
 // Each op validates its arguments with the checks every backend shares (src/core/validate.h),
-// then launches kernels from common/, pool/, indexer/, gemm/ and attention/ (which dispatches to
-// the kernel folders sm80/ and sm90/); those know nothing of the dsakit API. Device memory:
+// then launches kernels from common/, pool/, indexer/, gemm/, dcp/ and attention/ (which dispatches
+// to the kernel folders sm80/ and sm90/); those know nothing of the dsakit API. Device memory:
 // DeviceArena (empty()) and Workspace (op scratch), see common/workspace.h. docs/cuda.md
 // describes kernels, workspace and graph capture.
 #pragma once
@@ -48,6 +48,9 @@ class CudaBackend final : public Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   const Capabilities& capabilities() const override { return caps_; }
+  std::unique_ptr<Backend> make_peer() const override {
+    return std::make_unique<CudaBackend>(device_);
+  }
 
   Tensor empty(DType dtype, const std::vector<int64_t>& shape) override;
   void copy(const TensorView& dst, const TensorView& src) override;
@@ -90,6 +93,9 @@ class CudaBackend final : public Backend {
   void dense_mha(const DenseMhaArgs& args) override;
   void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
                       const TensorView& lse) override;
+  void select_rows(const TensorView& src, const TensorView& rows, const TensorView& dst) override;
+  void merge_topk(const TensorView& scores, const TensorView& positions, int k,
+                  const TensorView& out) override;
   void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
                               const TensorView& kv_start, const TensorView& ctx_len,
                               const TensorView& out) override;

@@ -48,7 +48,17 @@ TokenStore::DeviceInputs TokenStore::slice(Backend& be, const std::vector<int64_
 void run_schedule(DsaAttention& layer, const std::vector<std::vector<int32_t>>& page_tables,
                   const TokenStore& tokens, const RunSchedule& s, RunOutputs& out,
                   const std::function<void(int64_t, int64_t)>& progress) {
-  const ModelConfig& c = layer.config();
+  const LayerForward forward = [&](const Batch& batch, const std::vector<int32_t>&,
+                                   const LayerInputs& inputs) {
+    return layer.forward(batch, inputs);
+  };
+  run_schedule(layer.config(), layer.backend(), forward, page_tables, tokens, s, out, progress);
+}
+
+void run_schedule(const ModelConfig& c, Backend& be, const LayerForward& forward,
+                  const std::vector<std::vector<int32_t>>& page_tables, const TokenStore& tokens,
+                  const RunSchedule& s, RunOutputs& out,
+                  const std::function<void(int64_t, int64_t)>& progress) {
   const int b = int(tokens.lengths.size());
   DSAKIT_CHECK_ARG(
       int(s.begin.size()) == b && int(s.end.size()) == b && int(page_tables.size()) == b,
@@ -72,9 +82,9 @@ void run_schedule(DsaAttention& layer, const std::vector<std::vector<int32_t>>& 
   int64_t total = 0, done = 0;
   for (int r = 0; r < b; ++r) total += s.end[size_t(r)] - s.begin[size_t(r)];
   std::vector<int32_t> pos = s.begin;
-  Backend& be = layer.backend();
   while (true) {
     StepRecord step;
+    std::vector<int32_t> requests;
     step.batch.mode = s.mode;
     for (int r = 0; r < b; ++r) {
       const int32_t left = s.end[size_t(r)] - pos[size_t(r)];
@@ -83,12 +93,13 @@ void run_schedule(DsaAttention& layer, const std::vector<std::vector<int32_t>>& 
       step.batch.prefix_lens.push_back(pos[size_t(r)]);
       step.batch.extend_lens.push_back(e);
       step.batch.page_tables.push_back(page_tables[size_t(r)]);
+      requests.push_back(r);
       for (int32_t i = 0; i < e; ++i) step.rows.push_back(tokens.offset(r) + pos[size_t(r)] + i);
       pos[size_t(r)] += e;
     }
     if (step.batch.prefix_lens.empty()) break;
     const auto inputs = tokens.slice(be, step.rows);
-    LayerResult res = layer.forward(step.batch, inputs.view());
+    LayerResult res = forward(step.batch, requests, inputs.view());
     const Tensor o = be.to_host(res.o);
     const Tensor lse = be.to_host(res.lse);
     const int64_t t = int64_t(step.rows.size());

@@ -951,11 +951,11 @@ TEST(AttentionBadInput, ErrorsNameTheArgumentAndWriteNothing) {
     expect_error_naming([&] { b.up_proj_kv(c_kv, w, dk_nope, v_short); }, "v:");
     const Tensor o_parts = dev(DType::kF32, {2, tokens, d.heads, kDc});
     const Tensor lse_parts_short = dev(DType::kF32, {1, tokens, d.heads});
-    const Tensor bf16_parts = dev(DType::kBF16, {2, tokens, d.heads, kDc});
+    const Tensor f64_parts = dev(DType::kF64, {2, tokens, d.heads, kDc});
     const Tensor lse_parts = dev(DType::kF32, {2, tokens, d.heads});
     expect_error_naming([&] { b.merge_partials(o_parts, lse_parts_short, o_lat, lse); },
                         "lse_parts");
-    expect_error_naming([&] { b.merge_partials(bf16_parts, lse_parts, o_lat, lse); }, "o_parts");
+    expect_error_naming([&] { b.merge_partials(f64_parts, lse_parts, o_lat, lse); }, "o_parts");
     EXPECT_EQ(testing::checksum(b.to_host(o_lat)), o_sum);
   });
 }

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <stdexcept>
+#include <thread>
 
 #include "dsakit/cost_model.h"
 #include "dsakit/dcp.h"
@@ -513,6 +515,80 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
       EXPECT_LE(d.lse_abs, tol_lse_across_paths(single));
     }
   }
+}
+
+// Chunked prefill under DCP: steps whose batches hold a subset of the requests (the rest are
+// done), found by their request ids; equal to the single rank's chunked run, top-k sets identical.
+// A rejected call (a request beyond its max length) throws on every rank without a hang and
+// leaves the ranks usable.
+TEST_P(LayerTest, DcpChunkedPrefillWithRequestIds) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 32);
+  const std::vector<int32_t> len = {130, 41, 77};
+  Harness single(c, GetParam(), KvLayout::kFp8Scaled, 16, len, seed, DispatchMode::kSparse);
+  const std::vector<RunSchedule> schedule = {{single.zeros(), len, 48, ForwardMode::kExtend}};
+  const RunOutputs a = single.run(schedule);
+  LayerOptions o;
+  o.output_dtype = bf16_mid(single) ? DType::kBF16 : DType::kF32;
+  o.policy.mode = DispatchMode::kSparse;
+  KvPoolDesc pd = single.kd;
+  pd.num_pages = 12;
+  DcpSimulation dcp(c, *single.be, 3, pd, len, single.w, o);
+  Batch bad;
+  bad.prefix_lens = {0};
+  bad.extend_lens = {len[1] + 1};
+  const auto bad_in = single.tokens.slice(*single.be, std::vector<int64_t>(size_t(len[1] + 1), 0));
+  EXPECT_THROW(dcp.forward(bad, bad_in.view(), {1}), Error);
+  RunOutputs b;
+  const LayerForward forward = [&](const Batch& batch, const std::vector<int32_t>& requests,
+                                   const LayerInputs& inputs) {
+    return dcp.forward(batch, inputs, requests);
+  };
+  for (const auto& s : schedule)
+    run_schedule(c, *single.be, forward, single.tables, single.tokens, s, b);
+  ASSERT_EQ(b.steps.size(), a.steps.size());
+  const Diff d = compare(a, b, both(a, b));
+  EXPECT_EQ(d.rows, 130 + 41 + 77);
+  EXPECT_LE(d.o_rel, tol_f32(single));
+  EXPECT_LE(d.lse_abs, tol_lse_across_paths(single));
+  for (int64_t i = 0; i < a.topk.numel(); ++i)
+    ASSERT_EQ(a.topk.ptr<int32_t>()[i], b.topk.ptr<int32_t>()[i]) << "entry " << i;
+}
+
+// The in-process group: a rank that fails releases the others from all_gather (they throw
+// instead of waiting forever); after reset() the group exchanges again.
+TEST(DcpGroup, AFailedRankReleasesTheOthersAndResetRestoresTheGroup) {
+  const auto be = make_cpu_backend(1);
+  InProcessDcpGroup group(3);
+  const auto gather_once = [&](int w, std::vector<int32_t>& got) {
+    std::vector<int32_t> mine = {10 * w, 10 * w + 1};
+    got.assign(6, -1);
+    group.comm(w).all_gather(*be, make_view(mine.data(), DType::kI32, Device::kCpu, {2}),
+                             make_view(got.data(), DType::kI32, Device::kCpu, {3, 2}));
+  };
+  std::vector<int> threw(3, 0);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 3; ++w)
+    threads.emplace_back([&, w] {
+      std::vector<int32_t> got;
+      try {
+        if (w == 2) throw std::runtime_error("rank 2 fails before the collective");
+        gather_once(w, got);
+      } catch (...) {
+        threw[size_t(w)] = 1;
+        group.abort();
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(threw, (std::vector<int>{1, 1, 1}));
+  group.reset();
+  std::vector<std::vector<int32_t>> got(3);
+  threads.clear();
+  for (int w = 0; w < 3; ++w) threads.emplace_back([&, w] { gather_once(w, got[size_t(w)]); });
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < 3; ++w)
+    EXPECT_EQ(got[size_t(w)], (std::vector<int32_t>{0, 1, 10, 11, 20, 21}));
 }
 
 // docs/reliability.md: every rejected call leaves both pools byte-identical.

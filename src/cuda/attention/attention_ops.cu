@@ -195,7 +195,7 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   if (status == cudaSuccess) status = launch(params, stream);
   if (status == cudaSuccess && schedule.parts > 1)
     status = cuda::launch_merge_partials({params.o_parts, params.lse_parts, a.o.data, params.lse,
-                                          false, params.rows, schedule.parts, d_v},
+                                          false, params.rows, schedule.parts, d_v, false},
                                          stream);
   check_cuda(status, "cuda dense_mha launch");
 }

@@ -3,6 +3,7 @@
 // No valid part: o = 0, lse = +inf. A NaN lse_w makes the row NaN. Every valid part at -inf
 // (zero mass): o = 0, lse = -inf. One 128-thread block per row; every thread computes the
 // (cheap) part weights itself, then owns values d = tid, tid + 128, …; fixed summation order.
+// Parts are f32 or bf16 (read as the f32 of the same value).
 #include <cmath>
 
 #include "src/cuda/attention/merge_kernels.h"
@@ -13,7 +14,9 @@ namespace {
 
 constexpr int kThreads = 128;
 
+template <typename PartT>
 __global__ void __launch_bounds__(kThreads) merge_partials_kernel(const MergePartialsParams p) {
+  const PartT* o_parts = static_cast<const PartT*>(p.o_parts);
   const int64_t row = blockIdx.x;
   float m = -INFINITY;
   bool any_valid = false, any_nan = false;
@@ -47,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) merge_partials_kernel(const MergePar
       for (int w = 0; w < p.parts; ++w) {
         const float l = p.lse_parts[w * p.rows + row];
         if (l == INFINITY) continue;
-        acc = fmaf(expf(l - lse), p.o_parts[(w * p.rows + row) * p.d + e], acc);
+        acc = fmaf(expf(l - lse), to_float(o_parts[(w * p.rows + row) * p.d + e]), acc);
       }
     }
     const int64_t out = row * p.d + e;
@@ -65,7 +68,10 @@ __global__ void __launch_bounds__(kThreads) merge_partials_kernel(const MergePar
 cudaError_t launch_merge_partials(const MergePartialsParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
   if (p.rows > INT32_MAX || p.parts < 1 || p.d < 0) return cudaErrorInvalidValue;
-  merge_partials_kernel<<<unsigned(p.rows), kThreads, 0, stream>>>(p);
+  if (p.o_parts_bf16)
+    merge_partials_kernel<bf16_t><<<unsigned(p.rows), kThreads, 0, stream>>>(p);
+  else
+    merge_partials_kernel<float><<<unsigned(p.rows), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
