@@ -31,6 +31,7 @@
 
 #include "src/cuda/common/device_utils.cuh"
 #include "src/cuda/common/launch.h"
+#include "src/cuda/common/radix_select.cuh"
 #include "src/cuda/dcp/dcp_kernels.h"
 
 namespace dsakit::cuda {
@@ -106,36 +107,12 @@ struct SelectState {
 // Warp 0 picks the bin (digits from the top) that holds the need-th best key among the valid keys
 // matching the prefix, and updates the state. hist: [kBins] counts.
 __device__ __forceinline__ void select_bin(const int* hist, int shift, SelectState* state) {
-  static_assert(kBins == 8 * kWarpSize, "a lane owns 8 bins");
-  const int lane = threadIdx.x;
-  const int need = state->need;
-  int count[8], local = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    count[j] = hist[kBins - 1 - 8 * lane - j];  // lane 0 owns the largest digits
-    local += count[j];
-  }
-  int inclusive = local;
-#pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
-    if (lane >= offset) inclusive += v;
-  }
-  const int above_lane = inclusive - local;  // keys in bins above this lane's bins
-  __syncwarp();  // every lane has read state->need before the selecting lane writes it
-  if (above_lane < need && need <= inclusive) {  // exactly one lane
-    int above = above_lane;
-    bool found = false;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (!found && above + count[j] >= need) {
-        state->prefix |= (unsigned long long)(kBins - 1 - 8 * lane - j) << shift;
-        state->need = need - above;
-        state->done = count[j] == need - above;
-        found = true;
-      }
-      if (!found) above += count[j];
-    }
+  static_assert(kBins == kRadixBins, "one 8-bit digit per pass");
+  RadixBin bin;
+  if (find_radix_bin(hist, state->need, bin)) {
+    state->prefix |= (unsigned long long)bin.digit << shift;
+    state->need -= bin.above;
+    state->done = bin.count == state->need;
   }
 }
 

@@ -13,6 +13,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "src/cuda/common/device_utils.cuh"
+#include "src/cuda/common/radix_select.cuh"
 #include "src/cuda/indexer/indexer_kernels.h"
 
 namespace dsakit::cuda {
@@ -40,37 +41,11 @@ struct RadixState {
 // Warp 0 picks the bin (scanning digits from the top) that holds the need-th largest key among
 // those matching the prefix, and updates the state. hist: [kBins] counts.
 __device__ __forceinline__ void select_bin(const int* hist, int shift, RadixState* state) {
-  static_assert(kBins == 8 * kWarpSize, "a lane owns 8 bins");
-  const int lane = threadIdx.x;
-  const int need = state->need;
-  int count[8], local = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    count[j] = hist[kBins - 1 - 8 * lane - j];  // lane 0 owns the largest digits
-    local += count[j];
-  }
-  int inclusive = local;
-#pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
-    if (lane >= offset) inclusive += v;
-  }
-  const int above_lane = inclusive - local;  // keys in bins above this lane's bins
-  // Every lane has read state->need before the one selecting lane writes it (the shuffles
-  // converge the warp but do not order its shared-memory accesses; racecheck flags it).
-  __syncwarp();
-  if (above_lane < need && need <= inclusive) {  // exactly one lane
-    int above = above_lane;
-    bool found = false;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (!found && above + count[j] >= need) {
-        state->prefix |= uint32_t(kBins - 1 - 8 * lane - j) << shift;
-        state->need = need - above;
-        found = true;
-      }
-      if (!found) above += count[j];
-    }
+  static_assert(kBins == kRadixBins, "one 8-bit digit per pass");
+  RadixBin bin;
+  if (find_radix_bin(hist, state->need, bin)) {
+    state->prefix |= uint32_t(bin.digit) << shift;
+    state->need -= bin.above;
   }
 }
 
