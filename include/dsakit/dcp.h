@@ -7,7 +7,7 @@
 // one rank's under the tie rules.
 //
 // The communication is behind DcpComm: InProcessDcpGroup (W threads of one process: the tests and
-// DcpSimulation) or NCCL across GPUs (make_nccl_dcp_comm; dsakit/dcp_launch.h forks one process
+// DcpSimulation) or NCCL across GPUs (make_nccl_dcp_comm; run_dcp_on_gpus below forks one process
 // per GPU for the CLI).
 #pragma once
 
