@@ -12,7 +12,6 @@
 #include "src/cuda/attention/attention_ops.h"
 #include "src/cuda/attention/merge_kernels.h"
 #include "src/cuda/common/check.h"
-#include "src/cuda/dcp/dcp_kernels.h"
 #include "src/cuda/gemm/projections.h"
 #include "src/cuda/indexer/indexer_kernels.h"
 #include "src/cuda/pool/kv_pool_kernels.h"
@@ -559,35 +558,6 @@ void CudaBackend::merge_partials(const TensorView& o_parts, const TensorView& ls
       lse.ptr<float>(),      o.dtype == DType::kF32,       o_parts.shape[1] * o_parts.shape[2],
       int(o_parts.shape[0]), int(o_parts.shape[3]),        o_parts.dtype == DType::kBF16};
   DSAKIT_CUDA_CHECK(launch_merge_partials(p, stream_));
-}
-
-// ---- context parallelism --------------------------------------------------------------------
-
-void CudaBackend::select_rows(const TensorView& src, const TensorView& rows,
-                              const TensorView& dst) {
-  activate();
-  const HostIndexValues host_rows = host_index_values(rows);
-  validate::select_rows(src, rows, dst, Device::kCuda, host_rows.data);
-  const int64_t m = rows.shape[0];
-  const SelectRowsParams p{src.data, rows.ptr<const int32_t>(),
-                           dst.data, src.shape[0],
-                           m,        m == 0 ? 0 : int64_t(dst.nbytes()) / m};
-  DSAKIT_CUDA_CHECK(launch_select_rows(p, stream_));
-}
-
-void CudaBackend::merge_topk(const TensorView& scores, const TensorView& positions, int k,
-                             const TensorView& out) {
-  activate();
-  validate::merge_topk(scores, positions, k, out, Device::kCuda);
-  static_assert(cuda::kMergeTopkMaxCandidates == Backend::kMergeTopkMaxCandidates);
-  const MergeTopkParams p{scores.ptr<const float>(),
-                          positions.ptr<const int32_t>(),
-                          out.ptr<int32_t>(),
-                          scores.shape[1],
-                          int(scores.shape[0]),
-                          int(scores.shape[2]),
-                          k};
-  DSAKIT_CUDA_CHECK(launch_merge_topk(p, stream_));
 }
 
 }  // namespace cuda
