@@ -272,6 +272,8 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
   kd.num_pages = (t + 63) / 64;
   kd.d_c = int(dc);
   kd.d_rope = int(dr);
+  // pow2 scales: the one policy both kernels read exactly (the wgmma kernel refuses amax).
+  kd.scale_policy = ScalePolicy::kPow2;
   std::vector<PagedKvPool> pools;
   std::vector<int32_t> locs_h(static_cast<size_t>(t)), start_h(static_cast<size_t>(t), 0),
       ctx_h(static_cast<size_t>(t));

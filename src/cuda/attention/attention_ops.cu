@@ -46,10 +46,15 @@ int kernel_pool_row_bytes(KvLayout layout) {
 
 }  // namespace
 
-SparseMlaKernel sparse_mla_kernel_for(KvLayout layout, int64_t num_heads) {
-  (void)num_heads;
-  const bool wgmma = cuda::attention::dispatch_sparse_mla_sm90(layout, [](auto) {});
-  return wgmma ? SparseMlaKernel::kWgmma : SparseMlaKernel::kMmaSync;
+bool sparse_mla_wgmma_reads(const KvPoolDesc& desc) {
+  return desc.layout != KvLayout::kFp8Scaled || desc.scale_policy == ScalePolicy::kPow2;
+}
+
+SparseMlaKernel sparse_mla_kernel_for(const KvPoolDesc& desc, int64_t num_heads) {
+  const bool compiled = cuda::attention::dispatch_sparse_mla_sm90(desc.layout, [](auto) {});
+  const bool faster = desc.layout != KvLayout::kFp8Scaled || num_heads > 16;
+  return compiled && sparse_mla_wgmma_reads(desc) && faster ? SparseMlaKernel::kWgmma
+                                                            : SparseMlaKernel::kMmaSync;
 }
 
 void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, SparseMlaKernel kernel) {
@@ -92,9 +97,13 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, SparseMlaKerne
   DSAKIT_CHECK(desc.bytes_per_token() == kernel_pool_row_bytes(desc.layout), kInternal, kOp,
                ": pool rows of ", desc.bytes_per_token(), " B, the kernel reads ",
                kernel_pool_row_bytes(desc.layout), " B for layout ", to_string(desc.layout));
-  if (kernel == SparseMlaKernel::kAuto) kernel = sparse_mla_kernel_for(desc.layout, num_heads);
+  if (kernel == SparseMlaKernel::kAuto) kernel = sparse_mla_kernel_for(desc, num_heads);
   cudaError_t status = cudaSuccess;
   if (kernel == SparseMlaKernel::kWgmma) {
+    DSAKIT_CHECK(sparse_mla_wgmma_reads(desc), kUnsupported, kOp,
+                 ": the wgmma kernel reads 656-byte fp8 pools with pow2 scales only (it widens "
+                 "code x scale to bf16, exact for powers of two); this pool's scale policy is ",
+                 to_string(desc.scale_policy), ": use the mma.sync kernel (sm80)");
     const bool found = cuda::attention::dispatch_sparse_mla_sm90(desc.layout, [&](auto layout) {
       status = run_sparse_mla_sm90<decltype(layout)::value>(params, stream);
     });

@@ -19,7 +19,10 @@
   X(64, kFp8Raw)
 
 // Sparse MLA, wgmma kernel (src/cuda/sm90/prefill/sparse_mla/), 64 heads per CTA: X(layout).
-#define DSAKIT_SPARSE_MLA_SM90_INSTANCES(X) X(kBf16)
+#define DSAKIT_SPARSE_MLA_SM90_INSTANCES(X) \
+  X(kBf16)                                  \
+  X(kFp8Scaled)                             \
+  X(kFp8Raw)
 
 // Dense MHA, mma.sync kernel (src/cuda/sm80/prefill/dense_mha/): X(d_nope, d_rope, d_v).
 // (192, 64, 128) also runs GLM-5's (192, 64, 256) on short grids as two V column slices.
