@@ -349,6 +349,68 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
   return rows;
 }
 
+// The indexer's kernels alone over one fresh causal prompt of T tokens (DeepSeek-V3.2: H_i 64,
+// d_i 128, k 2048): the logits of every row past k (as indexer_topk computes them) by each
+// logits kernel, top-k over those logits, and indexer_topk whole (the driver's row blocks).
+// FLOPs: 2 · H_i · d_i per visible (row, key) pair of those rows.
+std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int64_t t) {
+  const std::string shape = fmt::format("{} H_i={} T={}", c.name, c.index_n_heads, t);
+  std::fprintf(stderr, "[bench] indexer %s\n", shape.c_str());
+  const int64_t hi = c.index_n_heads, di = c.index_head_dim;
+  const int k = c.index_topk;
+  be.options().host_value_checks = false;
+  double pairs = 0;
+  for (int64_t i = k; i < t; ++i) pairs += double(i + 1);
+  std::vector<int32_t> locs_h(static_cast<size_t>(t)), start_h(static_cast<size_t>(t), 0),
+      ctx_h(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) locs_h[size_t(i)] = int32_t(i), ctx_h[size_t(i)] = int32_t(i + 1);
+  auto dev_i32 = [&](std::vector<int32_t>& v) {
+    return be.to_device(make_view(v.data(), DType::kI32, Device::kCpu, {int64_t(v.size())}));
+  };
+  const Tensor locs = dev_i32(locs_h), start = dev_i32(start_h), ctx = dev_i32(ctx_h);
+  IndexKeyPool ix = be.make_index_pool({64, (t + 63) / 64, int(di)});
+  be.store_index_keys(ix, locs, random_device(be, DType::kBF16, {t, di}, 60));
+  const Tensor idx_q = random_device(be, DType::kBF16, {t, hi, di}, 50);
+  const Tensor idx_w = random_device(be, DType::kF32, {t, hi}, 70);
+  const Tensor q8 = be.empty(DType::kU8, {t, hi, di}), gate = be.empty(DType::kF32, {t, hi});
+  be.indexer_quantize_q(idx_q, idx_w, q8, gate);
+  IndexerArgs a;
+  a.keys = &ix;
+  a.q8 = q8;
+  a.gate = gate;
+  a.kv_locs = locs;
+  a.kv_start = start;
+  a.ctx_len = ctx;
+  IndexerLogitsOptions o;
+  o.skip_ctx_at_most = k;
+  o.fill_masked = false;
+  const Tensor logits = be.empty(DType::kF32, {t, t});
+  std::vector<Row> rows;
+  const int runs = t > 16384 ? 5 : 10;
+  const cuda::CudaBackendOptions previous = be.options();
+  for (const auto& [kernel, name] : {std::pair{cuda::IndexerKernel::kTensorCore, "logits_mma_sync"},
+                                     std::pair{cuda::IndexerKernel::kWgmma, "logits_wgmma"}}) {
+    be.options().indexer_kernel = kernel;
+    rows.push_back({shape, name,
+                    time_ms(
+                        be, [&](int) { be.indexer_logits(a, 0, t, logits, o); }, runs),
+                    2.0 * hi * di * pairs, 0});
+  }
+  be.options() = previous;
+  be.options().host_value_checks = false;
+  Tensor top = be.empty(DType::kI32, {t, k});
+  rows.push_back({shape, "topk",
+                  time_ms(
+                      be, [&](int) { be.topk(logits, ctx, k, top); }, runs),
+                  0, 4.0 * pairs});
+  rows.push_back({shape, "indexer_topk",
+                  time_ms(
+                      be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
+                  0, 0});
+  be.options().host_value_checks = true;
+  return rows;
+}
+
 // Whole layer (store + plan + path + outputs, host staging included) for fresh prompts, dense
 // vs sparse, contexts within index_topk (where both are exact).
 std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_t t,
@@ -390,7 +452,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
 
 int main(int argc, char** argv) {
   std::string json_path;
-  bool quick = false, sparse = false;
+  bool quick = false, sparse = false, indexer = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
@@ -398,10 +460,13 @@ int main(int argc, char** argv) {
       quick = true;
     else if (!std::strcmp(argv[i], "--sparse"))
       sparse = true;
+    else if (!std::strcmp(argv[i], "--indexer"))
+      indexer = true;
     else {
       std::fprintf(stderr,
-                   "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse]\n"
-                   "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n");
+                   "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse] [--indexer]\n"
+                   "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n"
+                   "  --indexer: only the indexer's logits kernels, top-k and indexer_topk\n");
       return 2;
     }
   }
@@ -410,11 +475,19 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "dsakit_bench_cuda: no GPU visible\n");
       return 2;
     }
+    const bool kernels_only = sparse || indexer;  // no stage or layer rows
     cuda::CudaBackend be(0);
     const Backend::Ceilings ceil = be.measure_ceilings();
     std::vector<Row> rows;
     const ModelConfig ds = ModelConfig::preset("deepseek-v3.2");
     const ModelConfig glm = ModelConfig::preset("glm-5");
+    if (indexer) {
+      for (int64_t t :
+           quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 8192, 16384, 32768}) {
+        auto r = bench_indexer(be, ds, t);
+        rows.insert(rows.end(), r.begin(), r.end());
+      }
+    }
     if (sparse) {
       for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw})
         for (int tp : {1, 2, 4, 8})
@@ -427,28 +500,30 @@ int main(int argc, char** argv) {
         rows.insert(rows.end(), r.begin(), r.end());
       }
     }
-    for (int tp : sparse ? std::vector<int>{} : std::vector<int>{1, 8})
+    for (int tp : kernels_only ? std::vector<int>{} : std::vector<int>{1, 8})
       for (int64_t t : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384}) {
         auto r = bench_shape(be, ds.with_tp(tp), t, KvLayout::kFp8Scaled);
         rows.insert(rows.end(), r.begin(), r.end());
       }
-    for (int tp : sparse ? std::vector<int>{} : std::vector<int>{1, 4}) {
+    for (int tp : kernels_only ? std::vector<int>{} : std::vector<int>{1, 4}) {
       auto r = bench_shape(be, glm.with_tp(tp), 4096, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }
     // Short prompts with 16 heads, where the host's enqueue cost competes with the GPU's time.
-    for (const ModelConfig& c : sparse ? std::vector<ModelConfig>{}
-                                       : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
+    for (const ModelConfig& c : kernels_only
+                                    ? std::vector<ModelConfig>{}
+                                    : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
       auto r = bench_shape(be, c, 256, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }
-    for (int tp : sparse ? std::vector<int>{} : std::vector<int>{1, 8})
+    for (int tp : kernels_only ? std::vector<int>{} : std::vector<int>{1, 8})
       for (int64_t t : {1024, 2048}) {
         auto r = bench_layer(be, ds.with_tp(tp), t, KvLayout::kFp8Scaled);
         rows.insert(rows.end(), r.begin(), r.end());
       }
-    for (const ModelConfig& c : sparse ? std::vector<ModelConfig>{}
-                                       : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
+    for (const ModelConfig& c : kernels_only
+                                    ? std::vector<ModelConfig>{}
+                                    : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
       auto r = bench_layer(be, c, 256, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }

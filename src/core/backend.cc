@@ -37,6 +37,7 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.dense_kv_visible = false;
   c.kv_halves = true;
   c.intermediate_dtype = DType::kBF16;
+  c.indexer_logits_rel_l2 = 1e-3;  // the wgmma logits kernel's fp8 accumulation
   // Every figure below comes from the one table of compiled instances.
 #define DSAKIT_X(kNope, kRope, kV) c.dense_head_dims.push_back({kNope, kRope, kV});
   DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X)
@@ -44,7 +45,8 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.kernel_instances = {
       "sparse MLA (d_qk 576, d_v 512), wgmma: " + cuda::attention::sparse_mla_sm90_supported(),
       "sparse MLA (d_qk 576, d_v 512), mma.sync: " + cuda::attention::sparse_mla_sm80_supported(),
-      "dense MHA (d_nope, d_rope, d_v), mma.sync: " + cuda::attention::dense_mha_sm80_supported()};
+      "dense MHA (d_nope, d_rope, d_v), mma.sync: " + cuda::attention::dense_mha_sm80_supported(),
+      "indexer logits (H_i), wgmma: " + cuda::attention::indexer_logits_sm90_supported()};
   return c;
 }
 

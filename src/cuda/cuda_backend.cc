@@ -27,14 +27,17 @@ int64_t to_i64(size_t v) {
   return int64_t(v);
 }
 
-// The logits kernel to run: DSAKIT_INDEXER_KERNEL (scalar | tc) overrides the option.
+// The logits kernel to run: DSAKIT_INDEXER_KERNEL (scalar | tc | sm90) overrides the option.
 IndexerKernel indexer_kernel(const CudaBackendOptions& options) {
   constexpr const char* kEnv = "DSAKIT_INDEXER_KERNEL";
   const char* s = std::getenv(kEnv);
   if (s == nullptr || *s == 0) return options.indexer_kernel;
   const std::string v = s;
-  DSAKIT_CHECK_ARG(v == "scalar" || v == "tc", kEnv, ": expected 'scalar' or 'tc', got '", v, "'");
-  return v == "tc" ? IndexerKernel::kTensorCore : IndexerKernel::kScalar;
+  DSAKIT_CHECK_ARG(v == "scalar" || v == "tc" || v == "sm90", kEnv,
+                   ": expected 'scalar', 'tc' or 'sm90', got '", v, "'");
+  return v == "sm90" ? IndexerKernel::kWgmma
+         : v == "tc" ? IndexerKernel::kTensorCore
+                     : IndexerKernel::kScalar;
 }
 
 // The sparse MLA kernel to run: DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides the
@@ -349,23 +352,34 @@ IndexerLogitsParams logits_params(const IndexerArgs& a) {
   return p;
 }
 
-// The kernel that runs for H_i heads of d_i codes: the requested one if it can, else the scalar
-// kernel, which must fit the device's shared memory.
-IndexerKernel choose_logits_kernel(IndexerKernel requested, int h_i, int d_i, int device) {
+// The kernel that runs for these logits: the requested one if it can, else the next simpler
+// one (wgmma -> mma.sync -> scalar); the scalar kernel must fit the device's shared memory.
+IndexerKernel choose_logits_kernel(IndexerKernel requested, const IndexerLogitsParams& p,
+                                   int device) {
+  if (requested == IndexerKernel::kWgmma && indexer_logits_sm90_supported(p))
+    return IndexerKernel::kWgmma;
   int optin = 0;
   DSAKIT_CUDA_CHECK(
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (requested == IndexerKernel::kTensorCore && indexer_logits_tc_supported(h_i, d_i, optin))
+  if (requested != IndexerKernel::kScalar && indexer_logits_tc_supported(p.h_i, p.d_i, optin))
     return IndexerKernel::kTensorCore;
-  const size_t need = indexer_logits_smem_bytes(h_i, d_i);
-  DSAKIT_CHECK(need <= size_t(optin), kUnsupported, "indexer logits: H_i = ", h_i, ", d_i = ", d_i,
-               " needs ", need, " B of shared memory per block, the device allows ", optin);
+  const size_t need = indexer_logits_smem_bytes(p.h_i, p.d_i);
+  DSAKIT_CHECK(need <= size_t(optin), kUnsupported, "indexer logits: H_i = ", p.h_i,
+               ", d_i = ", p.d_i, " needs ", need,
+               " B of shared memory per block, the device allows ", optin);
   return IndexerKernel::kScalar;
 }
 
 cudaError_t launch_logits(IndexerKernel kernel, const IndexerLogitsParams& p, cudaStream_t stream) {
-  return kernel == IndexerKernel::kTensorCore ? launch_indexer_logits_tc(p, stream)
-                                              : launch_indexer_logits(p, stream);
+  switch (kernel) {
+    case IndexerKernel::kWgmma:
+      return launch_indexer_logits_sm90(p, stream);
+    case IndexerKernel::kTensorCore:
+      return launch_indexer_logits_tc(p, stream);
+    case IndexerKernel::kScalar:
+      break;
+  }
+  return launch_indexer_logits(p, stream);
 }
 
 }  // namespace
@@ -390,8 +404,6 @@ void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_
                         ctx_len = host_index_values(a.ctx_len);
   validate::indexer_args(a, Device::kCuda, kv_locs.data, kv_start.data, ctx_len.data);
   validate::indexer_logits_out(a, row_begin, row_end, logits, Device::kCuda, ctx_len.data);
-  const IndexerKernel kernel = choose_logits_kernel(indexer_kernel(options_), int(a.q8.shape[1]),
-                                                    a.keys->desc().d_i, device_);
   IndexerLogitsParams p = logits_params(a);
   p.logits = logits.ptr<float>();
   p.row_begin = row_begin;
@@ -399,6 +411,7 @@ void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_
   p.width = logits.shape[1];
   p.skip_ctx_at_most = options.skip_ctx_at_most;
   p.fill_masked = options.fill_masked;
+  const IndexerKernel kernel = choose_logits_kernel(indexer_kernel(options_), p, device_);
   DSAKIT_CUDA_CHECK(launch_logits(kernel, p, stream_));
 }
 

@@ -21,8 +21,12 @@ namespace dsakit::cuda {
 // Which kernel computes the indexer logits (indexer_logits and inside indexer_topk).
 enum class IndexerKernel {
   kScalar,      // fp32 CUDA cores on dequantized codes (indexer/logits.cu): the exact cross-check
-  kTensorCore,  // mma.sync e4m3 on the raw codes (indexer/logits_tc.cu); where it cannot run
+  kTensorCore,  // mma.sync e4m3 on the raw codes, fp32-exact per k32 step (indexer/logits_tc.cu);
+                // where it cannot run
                 // (d_i != 128, or too little shared memory) the scalar kernel runs instead
+  kWgmma,       // wgmma e4m3 (sm90/indexer/), fp8 accumulation (~1e-4 from fp32); where it
+                // cannot run (h_i without an instance, page_size % 4 != 0, unaligned codes) the
+                // mma.sync kernel runs instead
 };
 
 struct CudaBackendOptions {
@@ -32,9 +36,9 @@ struct CudaBackendOptions {
   // devices are checked; kernels still bound-check every index they read (out-of-range
   // locations are skipped by stores and gather as zeros).
   bool host_value_checks = true;
-  // Tensor cores by default (agreement with the scalar kernel and speed: docs/perf.md).
-  // DSAKIT_INDEXER_KERNEL (scalar | tc) overrides it.
-  IndexerKernel indexer_kernel = IndexerKernel::kTensorCore;
+  // wgmma by default (agreement with the scalar kernel and speed: docs/perf.md).
+  // DSAKIT_INDEXER_KERNEL (scalar | tc | sm90) overrides it.
+  IndexerKernel indexer_kernel = IndexerKernel::kWgmma;
   // The sparse MLA kernel: kAuto chooses per call (sparse_mla_kernel_for); the environment
   // variable DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides it.
   SparseMlaKernel sparse_mla_kernel = SparseMlaKernel::kAuto;

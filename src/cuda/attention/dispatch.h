@@ -57,6 +57,18 @@ bool dispatch_dense_mha_sm80(int d_nope, int d_rope, int d_v, F&& f) {
   return false;
 }
 
+template <typename F>
+bool dispatch_indexer_logits_sm90(int h_i, F&& f) {
+#define DSAKIT_X(kHeads)                      \
+  if (h_i == kHeads) {                        \
+    f(std::integral_constant<int, kHeads>{}); \
+    return true;                              \
+  }
+  DSAKIT_INDEXER_LOGITS_SM90_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  return false;
+}
+
 // The table's rows as text: "16 heads/CTA + bf16 pool, ..." and "(128, 64, 128), ...".
 inline std::string sparse_mla_sm80_supported() {
   std::string rows;
@@ -74,6 +86,14 @@ inline std::string sparse_mla_sm90_supported() {
   rows += std::string(rows.empty() ? "" : ", ") + "64 heads/CTA + " + \
           to_string(KvLayout::kLayout) + " pool";
   DSAKIT_SPARSE_MLA_SM90_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  return rows;
+}
+
+inline std::string indexer_logits_sm90_supported() {
+  std::string rows;
+#define DSAKIT_X(kHeads) rows += std::string(rows.empty() ? "" : ", ") + #kHeads;
+  DSAKIT_INDEXER_LOGITS_SM90_INSTANCES(DSAKIT_X)
 #undef DSAKIT_X
   return rows;
 }

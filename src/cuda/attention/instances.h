@@ -1,4 +1,5 @@
-// The compiled CUDA attention kernel instances: the one table. Every other list derives from it:
+// The compiled CUDA kernel instances (attention and indexer logits): the one table. Every other
+// list derives from it:
 //  * the instantiation files: src/cuda/CMakeLists.txt generates one .cu per row (one explicit
 //    instantiation each, compiled in parallel) into the build tree;
 //  * dispatch: src/cuda/attention/dispatch.h maps run-time values onto these template arguments;
@@ -30,3 +31,8 @@
   X(128, 64, 128)                          \
   X(192, 64, 128)                          \
   X(192, 64, 256)
+
+// Indexer logits, wgmma e4m3 kernel (src/cuda/sm90/indexer/): X(h_i).
+#define DSAKIT_INDEXER_LOGITS_SM90_INSTANCES(X) \
+  X(64)                                         \
+  X(32)

@@ -1,6 +1,7 @@
 // Hopper (sm_90a) building blocks of the Hopper-native kernels (src/cuda/sm90/): mbarriers,
 // named barriers, register reallocation, the async-proxy fence, cp.async completion on an
-// mbarrier, stmatrix, and warpgroup MMA (wgmma) with shared-memory matrix descriptors.
+// mbarrier, stmatrix, and warpgroup MMA (wgmma, bf16 and e4m3) with shared-memory matrix
+// descriptors.
 //
 // wgmma conventions (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
 //  * one warpgroup (4 consecutive warps, the first a multiple of 4) issues each instruction;
@@ -13,7 +14,8 @@
 //  * shared-memory operands use the 128-byte swizzle: a tile of rows of 64 bf16 (128 B), row r
 //    at r * 128, its 16-byte chunk c at chunk c ^ (r % 8); tiles start 1024-byte aligned.
 //    K-major (K contiguous, rows = M or N): SBO = 1024 (8-row groups), K steps of 16 add 32 B
-//    to the start address. MN-major (MN contiguous, rows = K): LBO = the byte stride between
+//    to the start address (likewise K steps of 32 e4m3 codes, 32 B, in rows of 128 codes).
+//    MN-major (MN contiguous, rows = K): LBO = the byte stride between
 //    64-wide MN tiles, SBO = 1024 (8-row K groups), K steps of 16 add 2048 B.
 //  * issue order: wgmma_fence() before the first MMA that reads registers written since,
 //    wgmma_commit() after a batch, wgmma_wait<N>() until at most N batches are pending; and
@@ -245,8 +247,40 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
 }
 
+// The 64 accumulator operands of an m64n128 wgmma, as inline-asm constraints.
+#define DSAKIT_WGMMA_F32X64(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), \
+  "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), \
+  "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+  "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+  "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
+  "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), \
+  "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), \
+  "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// d[64 x 128] (+)= A[64 x 32] · B[32 x 128] on e4m3 codes (fp32 accumulate), A and B from shared
+// memory, both K-major (the only layout fp8 wgmma takes). scale_d == 0 overwrites d.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], uint64_t desc_a,
+                                                        uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : DSAKIT_WGMMA_F32X64(d)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
 // clang-format on
 
 #undef DSAKIT_WGMMA_F32X128
+#undef DSAKIT_WGMMA_F32X64
 
 }  // namespace dsakit::cuda::sm90

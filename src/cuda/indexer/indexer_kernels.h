@@ -75,7 +75,27 @@ cudaError_t launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t str
 size_t indexer_logits_tc_smem_bytes(int h_i);
 bool indexer_logits_tc_supported(int h_i, int d_i, size_t smem_optin);
 cudaError_t launch_indexer_logits_tc(const IndexerLogitsParams& p, cudaStream_t stream);
+// The wgmma e4m3 logits kernel (src/cuda/sm90/indexer/): the same contract, for the h_i of its
+// instances (instances.h), d_i = 128, page_size % 4 == 0 and 16-byte aligned key pages and
+// query codes; its fp8 accumulation is ~1e-4 rel-L2 from fp32 (the kernel header).
+bool indexer_logits_sm90_supported(const IndexerLogitsParams& p);
+cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, cudaStream_t stream);
 cudaError_t launch_topk(const TopkParams& p, cudaStream_t stream);
 cudaError_t launch_positions_to_locations(const PositionsToLocationsParams& p, cudaStream_t stream);
+
+namespace indexer_sm90 {
+// One instance per row of DSAKIT_INDEXER_LOGITS_SM90_INSTANCES (its launcher is in the kernel
+// header; cudaErrorInvalidConfiguration when indexer_logits_sm90_accepts() does not hold).
+template <int kHeads>
+cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, cudaStream_t stream);
+
+// The kernel's alignment invariants: d_i = 128, page_size % 4 == 0 (every key row 16-byte
+// aligned), 16-byte aligned key pages and query codes.
+inline bool indexer_logits_sm90_accepts(const IndexerLogitsParams& p) {
+  return p.d_i == 128 && p.page_size > 0 && p.page_size % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(p.key_pages) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(p.q8) % 16 == 0;
+}
+}  // namespace indexer_sm90
 
 }  // namespace dsakit::cuda

@@ -1,0 +1,369 @@
+// Lightning-indexer logits on Hopper (wgmma e4m3, warp-specialized), the contract of
+// indexer_kernels.h's IndexerLogitsParams:
+//   logits[t, p] = s_k[loc] · Σ_h gate[t,h] · ReLU(q8[t,h,:] · k8[loc,:]),
+//   loc = kv_locs[kv_start[t] + p],  d_i = 128 (kDim), H_i = kHeads.
+//
+// The product is taken transposed, keys on M: Sᵀ[n, (r, h)] = k8[n, :] · q8[r, h, :] with
+// A = 64 keys [64 x 128 codes] and B = a consumer's tokens x heads [128 x 128 codes], both
+// K-major 128-byte-swizzled shared-memory tiles. A thread's accumulator then holds two keys
+// (rows g, g + 8 of its warp's 16) against 32 of its group's (token, head) columns, so the
+// head sum is 16 gated ReLUs per (key, token) in registers plus a reduction over the 4 lanes q
+// that share those keys.
+//
+// One CTA of three warpgroups per kCtaTokens consecutive rows of the batch (one request,
+// normally):
+//   WG2 (producer): the CTA's query codes and gates once, then the key rows of every 64-key
+//     tile of positions [0, context) gathered by location (cp.async, 16 B, completing on the
+//     stage's mbarrier) into a kStages ring, with each row's scale and a valid flag.
+//   WG0 / WG1 (consumers): WG c owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (N = 128 columns =
+//     kWgTokens x kHeads) and computes every tile with the same A operand: S of a tile is one
+//     chain of 4 k32 wgmmas into one of two accumulators, so tile i + 1's wgmmas run while tile i
+//     is reduced and stored.
+//
+// Numerics: the tensor cores sum fp8 products in an accumulator that keeps fewer bits than fp32
+// (on the H200 the logits land ~1.2e-4 rel-L2 from fp32 arithmetic on the same codes, DeepGEMM's
+// figure); the mma.sync kernel (indexer/logits_tc.cu) is the fp32-exact one (docs/numerics.md).
+//
+// Rows of a CTA with different kv_start (a request boundary) are taken one request after the
+// other ("segments"): the tile loop runs per segment and stores only that segment's rows.
+// Rows with ctx_len <= skip_ctx_at_most are not computed (the top-k identity shortcut).
+//
+// Shared memory (bytes, tiles 1024-aligned):
+//   q      [kCtaTokens * kHeads][128]  query codes, row (r, h) = r * kHeads + h   = 32768
+//   keys   [kStages][64][128]          key codes                                 = kStages * 8192
+//   gate   f32 [kCtaTokens * kHeads]; scale f32 [kStages][64]; valid u8 [kStages][64];
+//   mbarriers q_full, full[kStages], empty[kStages]; the CTA's rows (CtaRows)
+//
+// Invariants: page_size % 4 == 0 and 16-byte aligned key_pages / q8 (every key row and query
+// row is 16-byte aligned: the launcher refuses other pools), 1 <= h_i == kHeads.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "src/cuda/common/device_utils.cuh"
+#include "src/cuda/common/hopper.cuh"
+#include "src/cuda/indexer/indexer_kernels.h"
+
+namespace dsakit::cuda::indexer_sm90 {
+
+template <int kHeads_>
+struct LogitsConfig {
+  static constexpr int kHeads = kHeads_;
+  static constexpr int kDim = 128;           // d_i: codes per vector, one 128-byte row
+  static constexpr int kChunks = kDim / 16;  // 16-byte chunks per row
+  static constexpr int kKeys = 64;           // keys per tile (wgmma M)
+  static constexpr int kWgCols = 128;        // (token, head) columns per consumer (N)
+  static constexpr int kWgTokens = kWgCols / kHeads;
+  static constexpr int kCtaTokens = 2 * kWgTokens;
+  static constexpr int kKSteps = kDim / 32;  // wgmma k32 steps per tile
+  static constexpr int kStages = 8;
+  static constexpr int kThreads = 3 * 128;
+  // setmaxnreg moves registers within the CTA's launch allocation (168 x 384 under
+  // __launch_bounds__(384, 1)): the consumers' two accumulators take 128 of theirs.
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 40;
+  static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= 168 * kThreads);
+  static_assert(kWgCols % kHeads == 0 && kHeads % 8 == 0, "heads tile the 128 columns");
+
+  static constexpr int kTileBytes = kKeys * kDim;  // 8192
+  static constexpr int kQ = 0;
+  static constexpr int kKeysOff = kQ + kCtaTokens * kHeads * kDim;
+  static constexpr int kGate = kKeysOff + kStages * kTileBytes;
+  static constexpr int kScale = kGate + 4 * kCtaTokens * kHeads;
+  static constexpr int kValid = kScale + 4 * kStages * kKeys;
+  static constexpr int kBars = (kValid + kStages * kKeys + 7) / 8 * 8;
+  static constexpr int kBarQ = kBars;
+  static constexpr int kBarFull = kBars + 8;                // + 8 * stage
+  static constexpr int kBarEmpty = kBarFull + 8 * kStages;  // + 8 * stage
+  static constexpr int kRowPlan = kBarEmpty + 8 * kStages;  // CtaRows<kCtaTokens>
+  static constexpr int kSmemBytes = kRowPlan + 16 * kCtaTokens;
+  static_assert(kKeysOff % 1024 == 0 && kTileBytes % 1024 == 0);
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled tile.
+__device__ __forceinline__ uint32_t swizzled_row_chunk(int row, int chunk) {
+  return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+// ReLU that keeps NaN (max.NaN): a NaN score stays NaN, as in the other logits kernels.
+__device__ __forceinline__ float relu_nan(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The CTA's rows as read once from kv_start / ctx_len.
+template <int kRows>
+struct CtaRows {
+  int64_t start[kRows];  // kv_start of the row's request
+  int64_t ctx[kRows];    // visible positions clamped to [0, width]; -1: not computed
+};
+
+// Segment `seg` of the CTA's computed rows: the first computed row whose kv_start differs from
+// every earlier computed row's opens a segment. Returns false past the last one; else its
+// kv_start and the farthest context of its rows.
+template <int kRows>
+__device__ __forceinline__ bool cta_segment(const CtaRows<kRows>& rows, int seg, int64_t& start,
+                                            int64_t& limit) {
+  int found = -1;
+  for (int r = 0; r < kRows; ++r) {
+    if (rows.ctx[r] < 0) continue;
+    bool first = true;
+    for (int s = 0; s < r; ++s) first &= !(rows.ctx[s] >= 0 && rows.start[s] == rows.start[r]);
+    if (first && ++found == seg) {
+      start = rows.start[r];
+      limit = 0;
+      for (int s = r; s < kRows; ++s)
+        if (rows.ctx[s] >= 0 && rows.start[s] == start) limit = max(limit, rows.ctx[s]);
+      return true;
+    }
+  }
+  return false;
+}
+
+template <int kHeads>
+__global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
+    indexer_logits_sm90_kernel(const __grid_constant__ IndexerLogitsParams p) {
+  using C = LogitsConfig<kHeads>;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const uint32_t base = smem_addr(smem);
+  const uint32_t bar_q = base + C::kBarQ;
+  const auto bar_full = [&](int s) { return base + C::kBarFull + 8 * s; };
+  const auto bar_empty = [&](int s) { return base + C::kBarEmpty + 8 * s; };
+  float* gate_s = reinterpret_cast<float*>(smem + C::kGate);
+  float* scale_s = reinterpret_cast<float*>(smem + C::kScale);
+  uint8_t* valid_s = smem + C::kValid;
+
+  // Row groups last to first: later rows of a prefill see longer contexts, so the long CTAs
+  // start first.
+  const int64_t num_rows = p.row_end - p.row_begin;
+  const int64_t groups = (num_rows + C::kCtaTokens - 1) / C::kCtaTokens;
+  const int64_t row0 = (groups - 1 - int64_t(blockIdx.x)) * C::kCtaTokens;  // block-relative
+
+  CtaRows<C::kCtaTokens>& rows = *reinterpret_cast<CtaRows<C::kCtaTokens>*>(smem + C::kRowPlan);
+  if (threadIdx.x < C::kCtaTokens) {
+    const int r = threadIdx.x;
+    const int64_t out_row = row0 + r, t = p.row_begin + out_row;
+    const bool in_batch = out_row < num_rows;
+    const int64_t ctx = in_batch ? min(max(int64_t(p.ctx_len[t]), int64_t(0)), p.width) : -1;
+    rows.ctx[r] = ctx > p.skip_ctx_at_most ? ctx : -1;
+    rows.start[r] = in_batch ? int64_t(p.kv_start[t]) : 0;
+  }
+  if (threadIdx.x == 0) {
+    sm90::mbarrier_init(bar_q, 2 * 128);  // the producers' cp.async completions + arrivals
+    for (int s = 0; s < C::kStages; ++s) {
+      sm90::mbarrier_init(bar_full(s), 2 * 128);
+      sm90::mbarrier_init(bar_empty(s), 2 * 128);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  bool any = false;
+  for (int r = 0; r < C::kCtaTokens; ++r) any |= rows.ctx[r] >= 0;
+  if (!any) return;  // block-uniform: every row is the identity or past the batch
+
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  if (warp >= 8) {
+    // ---- producer --------------------------------------------------------------------------
+    sm90::setmaxnreg_dec<C::kProducerRegs>();
+    const int ptid = threadIdx.x - 256;
+    // Queries and gates of the computed rows (zero elsewhere: their columns are never stored).
+    for (int i = ptid; i < C::kCtaTokens * kHeads * C::kChunks; i += 128) {
+      const int n = i / C::kChunks, chunk = i % C::kChunks, r = n / kHeads, h = n % kHeads;
+      const bool ok = rows.ctx[r] >= 0;
+      const uint8_t* src =
+          ok ? p.q8 + ((p.row_begin + row0 + r) * kHeads + h) * C::kDim + 16 * chunk : p.q8;
+      sm90::cp_async_16_prefetch(base + C::kQ + swizzled_row_chunk(n, chunk), src, ok);
+    }
+    for (int n = ptid; n < C::kCtaTokens * kHeads; n += 128) {
+      const int r = n / kHeads, h = n % kHeads;
+      gate_s[n] = rows.ctx[r] >= 0 ? p.gate[(p.row_begin + row0 + r) * kHeads + h] : 0.f;
+    }
+    sm90::cp_async_mbarrier_arrive(bar_q);
+    sm90::mbarrier_arrive(bar_q);
+
+    // Key tiles of every segment, in the order the consumers take them. Thread ptid stages row
+    // ptid / 2 of a tile, chunks [4 (ptid % 2), + 4) of its codes, and (ptid even) its scale and
+    // valid flag. The location of the next tile's row is loaded before waiting for its stage.
+    const int64_t page_bytes = int64_t(p.page_size) * (C::kDim + 4);
+    const int row = ptid / 2, chunk0 = 4 * (ptid % 2);
+    const auto location = [&](int64_t start, int64_t limit, int64_t tile0) {
+      const int64_t pos = tile0 + row, j = start + pos;
+      int32_t loc = -1;
+      if (pos < limit && j >= 0 && j < p.n_kv) loc = __ldg(p.kv_locs + j);
+      return loc >= 0 && loc < p.num_locations ? loc : -1;
+    };
+    int n = 0;  // tiles staged so far (all segments)
+    int64_t start, limit;
+    for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
+      int32_t next = location(start, limit, 0);
+      for (int64_t tile0 = 0; tile0 < limit; tile0 += C::kKeys, ++n) {
+        const int32_t loc = next;
+        if (tile0 + C::kKeys < limit) next = location(start, limit, tile0 + C::kKeys);
+        const int stage = n % C::kStages;
+        const bool ok = loc >= 0;
+        const int32_t page = ok ? loc / p.page_size : 0, slot = ok ? loc - page * p.page_size : 0;
+        const uint8_t* page_base = p.key_pages + page * page_bytes;
+        const uint8_t* codes = page_base + int64_t(slot) * C::kDim;
+        const uint32_t tile = base + C::kKeysOff + stage * C::kTileBytes;
+        sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
+#pragma unroll
+        for (int c = chunk0; c < chunk0 + C::kChunks / 2; ++c)
+          sm90::cp_async_16_prefetch(tile + swizzled_row_chunk(row, c), codes + 16 * c, ok);
+        if (chunk0 == 0) {
+          sm90::cp_async_small<4>(base + C::kScale + 4 * (stage * C::kKeys + row),
+                                  page_base + int64_t(p.page_size) * C::kDim + 4 * slot, ok);
+          valid_s[stage * C::kKeys + row] = ok;
+        }
+        sm90::cp_async_mbarrier_arrive(bar_full(stage));
+        sm90::mbarrier_arrive(bar_full(stage));
+      }
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers ------------------------------------------------------------------------------
+  sm90::setmaxnreg_inc<C::kConsumerRegs>();
+  const int wg = warp / 4, wwarp = warp % 4, g = lane / 4, q = lane % 4;
+  constexpr int kT = C::kWgTokens;
+  constexpr int kColBlocks = kHeads / 8;  // 8-column blocks per token
+  const uint32_t b_tile = base + C::kQ + uint32_t(wg * C::kWgCols * C::kDim);
+  const uint64_t desc_b = sm90::smem_desc_sw128(b_tile, 16, 1024);
+  sm90::mbarrier_wait(bar_q, 0);
+
+  // S of tile n into acc: 4 chained k32 wgmmas, committed as one batch.
+  const auto issue_tile = [&](float(&acc)[64], int n) {
+    const int stage = n % C::kStages;
+    sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
+    const uint64_t desc_a =
+        sm90::smem_desc_sw128(base + C::kKeysOff + stage * C::kTileBytes, 16, 1024);
+    sm90::fence_operands(acc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < C::kKSteps; ++ks) {
+      const uint64_t offset = uint64_t(ks * 32) >> 4;
+      sm90::wgmma_m64n128k32_e4m3_ss(acc, desc_a + offset, desc_b + offset, ks > 0);
+    }
+    sm90::wgmma_commit();
+  };
+  // Tile n (positions tile0 ...) once its wgmma batch has completed: the keys' scales and flags,
+  // the stage back to the producer, then the gated head sums stored for this segment's rows.
+  const auto finish_tile = [&](float(&acc)[64], int n, int64_t tile0, const bool(&mine)[kT]) {
+    sm90::fence_operands(acc);
+    const int stage = n % C::kStages;
+    const int key_lo = 16 * wwarp + g, key_hi = key_lo + 8;
+    const float scale_lo = scale_s[stage * C::kKeys + key_lo];
+    const float scale_hi = scale_s[stage * C::kKeys + key_hi];
+    const bool ok_lo = valid_s[stage * C::kKeys + key_lo] != 0;
+    const bool ok_hi = valid_s[stage * C::kKeys + key_hi] != 0;
+    sm90::mbarrier_arrive(bar_empty(stage));
+
+    // Gated ReLU head sum per (key, token) over this lane's 16 heads of each token.
+    float lo[kT], hi[kT];
+    const float* gate_wg = gate_s + wg * C::kWgCols;
+#pragma unroll
+    for (int r = 0; r < kT; ++r) {
+      lo[r] = 0.f;
+      hi[r] = 0.f;
+#pragma unroll
+      for (int jb = 0; jb < kColBlocks; ++jb) {
+        const int j = r * kColBlocks + jb;
+        const float2 gv = *reinterpret_cast<const float2*>(gate_wg + 8 * j + 2 * q);
+        lo[r] = fmaf(gv.x, relu_nan(acc[4 * j]), lo[r]);
+        lo[r] = fmaf(gv.y, relu_nan(acc[4 * j + 1]), lo[r]);
+        hi[r] = fmaf(gv.x, relu_nan(acc[4 * j + 2]), hi[r]);
+        hi[r] = fmaf(gv.y, relu_nan(acc[4 * j + 3]), hi[r]);
+      }
+    }
+    // Reduce over the quad (lanes q share the keys), in a fixed order: same bits every run.
+#pragma unroll
+    for (int r = 0; r < kT; ++r) {
+      lo[r] = quad_sum(lo[r]);
+      hi[r] = quad_sum(hi[r]);
+    }
+    // Lane q stores tokens r = q, q + 4, ... of its group (rows g and g + 8 of the warp).
+#pragma unroll
+    for (int r = 0; r < kT; ++r) {
+      if (r % 4 != q || !mine[r]) continue;
+      const int cr = wg * kT + r;
+      const int64_t ctx = rows.ctx[cr];
+      float* out = p.logits + (row0 + cr) * p.width;
+      const int64_t pos_lo = tile0 + key_lo, pos_hi = tile0 + key_hi;
+      if (pos_lo < ctx) out[pos_lo] = ok_lo ? lo[r] * scale_lo : -INFINITY;
+      if (pos_hi < ctx) out[pos_hi] = ok_hi ? hi[r] * scale_hi : -INFINITY;
+    }
+  };
+
+  // Two accumulators in turn: tile i + 1's wgmmas run while tile i is reduced and stored.
+  float acc0[64], acc1[64];
+  int n = 0;
+  int64_t start, limit;
+  for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
+    bool mine[kT];  // this group's tokens that belong to the segment
+#pragma unroll
+    for (int r = 0; r < kT; ++r) {
+      const int cr = wg * kT + r;
+      mine[r] = rows.ctx[cr] >= 0 && rows.start[cr] == start;
+    }
+    const int tiles = int((limit + C::kKeys - 1) / C::kKeys);
+    if (tiles > 0) issue_tile(acc0, n);
+    for (int i = 0; i < tiles; i += 2) {
+      if (i + 1 < tiles) {
+        issue_tile(acc1, n + i + 1);
+        sm90::wgmma_wait<1>();
+      } else {
+        sm90::wgmma_wait<0>();
+      }
+      finish_tile(acc0, n + i, int64_t(i) * C::kKeys, mine);
+      if (i + 1 >= tiles) break;
+      if (i + 2 < tiles) {
+        issue_tile(acc0, n + i + 2);
+        sm90::wgmma_wait<1>();
+      } else {
+        sm90::wgmma_wait<0>();
+      }
+      finish_tile(acc1, n + i + 1, int64_t(i + 1) * C::kKeys, mine);
+    }
+    n += tiles;
+  }
+
+  // fill_masked: positions [ctx, width) of this group's computed rows are -inf.
+  if (p.fill_masked) {
+    const int gtid = threadIdx.x % 128;
+    for (int r = 0; r < kT; ++r) {
+      const int cr = wg * kT + r;
+      if (rows.ctx[cr] < 0) continue;
+      float* out = p.logits + (row0 + cr) * p.width;
+      for (int64_t pos = rows.ctx[cr] + gtid; pos < p.width; pos += 128) out[pos] = -INFINITY;
+    }
+  }
+}
+
+// Launch for H_i = kHeads; cudaErrorInvalidConfiguration when indexer_logits_sm90_accepts()
+// does not hold (the caller checks it first and runs another kernel).
+template <int kHeads>
+cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, cudaStream_t stream) {
+  using C = LogitsConfig<kHeads>;
+  const int64_t rows = p.row_end - p.row_begin;
+  if (rows <= 0 || p.width <= 0) return cudaSuccess;
+  if (p.h_i != kHeads || !indexer_logits_sm90_accepts(p)) return cudaErrorInvalidConfiguration;
+  const int64_t groups = (rows + C::kCtaTokens - 1) / C::kCtaTokens;
+  if (groups > INT32_MAX) return cudaErrorInvalidValue;
+  auto* kernel = &indexer_logits_sm90_kernel<kHeads>;
+  cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  if (status != cudaSuccess) return status;
+  kernel<<<unsigned(groups), C::kThreads, C::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace dsakit::cuda::indexer_sm90
+
+// One row of DSAKIT_INDEXER_LOGITS_SM90_INSTANCES (src/cuda/attention/instances.h).
+#define DSAKIT_INSTANTIATE_INDEXER_LOGITS_SM90(kHeads)                              \
+  template cudaError_t dsakit::cuda::indexer_sm90::run_indexer_logits_sm90<kHeads>( \
+      const dsakit::cuda::IndexerLogitsParams&, cudaStream_t);
