@@ -407,6 +407,14 @@ TEST_P(IndexerTest, TopkLongRowsManyTies) {
   }
   expect_topk_matches_reference(be(), logits, rows, width, ctx_len, k);
 
+  // Rows past the 40960 keys the CUDA kernel keeps in shared memory (those re-read the logits
+  // every pass) beside one that fits, in one call, with index_topk's k.
+  const int64_t long_width = 42000;
+  logits.assign(size_t(3 * long_width), 0.f);
+  ctx_len = {int32_t(long_width), 40000, int32_t(long_width - 7)};
+  for (int64_t i = 0; i < 3 * long_width; ++i)
+    logits[size_t(i)] = (i / long_width) == 2 ? std::round(rng().normal(4.f)) : rng().normal(1.f);
+  expect_topk_matches_reference(be(), logits, 3, long_width, ctx_len, 2048);
 }
 
 TEST_P(IndexerTest, TopkNaNOrder) {
