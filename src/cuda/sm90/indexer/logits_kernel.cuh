@@ -10,15 +10,16 @@
 // head sum is 16 gated ReLUs per (key, token) in registers plus a reduction over the 4 lanes q
 // that share those keys.
 //
-// One CTA of three warpgroups per kCtaTokens consecutive rows of the batch (one request,
-// normally):
-//   WG2 (producer): the CTA's query codes and gates once, then the key rows of every 64-key
-//     tile of positions [0, context) gathered by location (cp.async, 16 B, completing on the
-//     stage's mbarrier) into a kStages ring, with each row's scale and a valid flag.
-//   WG0 / WG1 (consumers): WG c owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (N = 128 columns =
-//     kWgTokens x kHeads) and computes every tile with the same A operand: S of a tile is one
-//     chain of 4 k32 wgmmas into one of two accumulators, so tile i + 1's wgmmas run while tile i
-//     is reduced and stored.
+// One CTA of kConsumers + 1 warpgroups per kCtaTokens consecutive rows of the batch (one
+// request, normally):
+//   the last WG (producer): the CTA's query codes and gates once, then the key rows of every
+//     64-key tile of positions [0, context) gathered by location (cp.async, 16 B, completing on
+//     the stage's mbarrier) into a kStages ring, with each row's scale and a valid flag.
+//   WG c < kConsumers: owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (N = 128 columns =
+//     kWgTokens x kHeads) and computes every tile with the same A operand: one chain of 4 k32
+//     wgmmas, then the tile's gated-ReLU head sums; with three such groups one group's sums run
+//     while the others' wgmmas keep the tensor cores busy. (A second accumulator per group, to
+//     overlap within a group, made ptxas serialize every wgmma: C7514.)
 //
 // Numerics: the tensor cores sum fp8 products in an accumulator that keeps fewer bits than fp32
 // (on the H200 the logits land ~1.2e-4 rel-L2 from fp32 arithmetic on the same codes, DeepGEMM's
@@ -29,7 +30,7 @@
 // Rows with ctx_len <= skip_ctx_at_most are not computed (the top-k identity shortcut).
 //
 // Shared memory (bytes, tiles 1024-aligned):
-//   q      [kCtaTokens * kHeads][128]  query codes, row (r, h) = r * kHeads + h   = 32768
+//   q      [kCtaTokens * kHeads][128]  query codes, row (r, h) = r * kHeads + h   = 49152
 //   keys   [kStages][64][128]          key codes                                 = kStages * 8192
 //   gate   f32 [kCtaTokens * kHeads]; scale f32 [kStages][64]; valid u8 [kStages][64];
 //   mbarriers q_full, full[kStages], empty[kStages]; the CTA's rows (CtaRows)
@@ -56,15 +57,16 @@ struct LogitsConfig {
   static constexpr int kKeys = 64;           // keys per tile (wgmma M)
   static constexpr int kWgCols = 128;        // (token, head) columns per consumer (N)
   static constexpr int kWgTokens = kWgCols / kHeads;
-  static constexpr int kCtaTokens = 2 * kWgTokens;
+  static constexpr int kConsumers = 3;  // consumer warpgroups; WG kConsumers is the producer
+  static constexpr int kCtaTokens = kConsumers * kWgTokens;
   static constexpr int kKSteps = kDim / 32;  // wgmma k32 steps per tile
   static constexpr int kStages = 8;
-  static constexpr int kThreads = 3 * 128;
-  // setmaxnreg moves registers within the CTA's launch allocation (168 x 384 under
-  // __launch_bounds__(384, 1)): the consumers' two accumulators take 128 of theirs.
-  static constexpr int kConsumerRegs = 232;
-  static constexpr int kProducerRegs = 40;
-  static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= 168 * kThreads);
+  static constexpr int kThreads = (kConsumers + 1) * 128;
+  // setmaxnreg moves registers within the CTA's launch allocation (128 x 512 under
+  // __launch_bounds__(512, 1)): the consumers' accumulator takes 64 of theirs.
+  static constexpr int kConsumerRegs = 152;
+  static constexpr int kProducerRegs = 56;
+  static_assert(kConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 128 * kThreads);
   static_assert(kWgCols % kHeads == 0 && kHeads % 8 == 0, "heads tile the 128 columns");
 
   static constexpr int kTileBytes = kKeys * kDim;  // 8192
@@ -153,10 +155,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
     rows.start[r] = in_batch ? int64_t(p.kv_start[t]) : 0;
   }
   if (threadIdx.x == 0) {
-    sm90::mbarrier_init(bar_q, 2 * 128);  // the producers' cp.async completions + arrivals
+    sm90::mbarrier_init(bar_q, 2 * 128);  // the producer's cp.async completions + arrivals
     for (int s = 0; s < C::kStages; ++s) {
       sm90::mbarrier_init(bar_full(s), 2 * 128);
-      sm90::mbarrier_init(bar_empty(s), 2 * 128);
+      sm90::mbarrier_init(bar_empty(s), C::kConsumers * 128);
     }
     sm90::fence_barrier_init();
   }
@@ -166,10 +168,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
   if (!any) return;  // block-uniform: every row is the identity or past the batch
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  if (warp >= 8) {
+  if (warp >= 4 * C::kConsumers) {
     // ---- producer --------------------------------------------------------------------------
     sm90::setmaxnreg_dec<C::kProducerRegs>();
-    const int ptid = threadIdx.x - 256;
+    const int ptid = threadIdx.x - 128 * C::kConsumers;
     // Queries and gates of the computed rows (zero elsewhere: their columns are never stored).
     for (int i = ptid; i < C::kCtaTokens * kHeads * C::kChunks; i += 128) {
       const int n = i / C::kChunks, chunk = i % C::kChunks, r = n / kHeads, h = n % kHeads;
@@ -298,8 +300,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
     }
   };
 
-  // Two accumulators in turn: tile i + 1's wgmmas run while tile i is reduced and stored.
-  float acc0[64], acc1[64];
+  float acc[64];
   int n = 0;
   int64_t start, limit;
   for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
@@ -310,23 +311,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
       mine[r] = rows.ctx[cr] >= 0 && rows.start[cr] == start;
     }
     const int tiles = int((limit + C::kKeys - 1) / C::kKeys);
-    if (tiles > 0) issue_tile(acc0, n);
-    for (int i = 0; i < tiles; i += 2) {
-      if (i + 1 < tiles) {
-        issue_tile(acc1, n + i + 1);
-        sm90::wgmma_wait<1>();
-      } else {
-        sm90::wgmma_wait<0>();
-      }
-      finish_tile(acc0, n + i, int64_t(i) * C::kKeys, mine);
-      if (i + 1 >= tiles) break;
-      if (i + 2 < tiles) {
-        issue_tile(acc0, n + i + 2);
-        sm90::wgmma_wait<1>();
-      } else {
-        sm90::wgmma_wait<0>();
-      }
-      finish_tile(acc1, n + i + 1, int64_t(i + 1) * C::kKeys, mine);
+    for (int i = 0; i < tiles; ++i) {
+      issue_tile(acc, n + i);
+      sm90::wgmma_wait<0>();
+      finish_tile(acc, n + i, int64_t(i) * C::kKeys, mine);
     }
     n += tiles;
   }
