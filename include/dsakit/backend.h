@@ -30,10 +30,6 @@ struct Capabilities {
   // The compiled kernel instances, one line per kernel family (`dsakit info`); empty: any shape.
   std::vector<std::string> kernel_instances;
   DType intermediate_dtype = DType::kF32;  // q_abs, o_lat, up-projected K/V
-  // rel-L2 bound of the default indexer logits kernel against float64 on the same FP8 codes and
-  // scales: fp32 arithmetic (1e-5), or 1e-3 where the FP8 tensor cores accumulate with fewer
-  // bits than fp32 (CUDA's wgmma kernel, ~1.2e-4 measured; docs/numerics.md).
-  double indexer_logits_rel_l2 = 1e-5;
 };
 
 // k_nope [N, H, d_nope] and v [N, H, d_v] as views of one [N, H, d_nope + d_v] buffer (row n,

@@ -37,7 +37,6 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.dense_kv_visible = false;
   c.kv_halves = true;
   c.intermediate_dtype = DType::kBF16;
-  c.indexer_logits_rel_l2 = 1e-3;  // the wgmma logits kernel's fp8 accumulation
   // Every figure below comes from the one table of compiled instances.
 #define DSAKIT_X(kNope, kRope, kV) c.dense_head_dims.push_back({kNope, kRope, kV});
   DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X)

@@ -216,9 +216,8 @@ reference::Vec reference_logits(const Scene& s, const ReferenceInputs& r, int64_
                                    width);
 }
 
-// Logits against the reference: the -inf mask exactly, finite entries to the backend's logits
-// bound (Capabilities::indexer_logits_rel_l2: fp32, or the FP8 tensor cores' accumulation).
-void expect_logits_match(const std::vector<double>& out, const reference::Vec& ref, double tol) {
+// Logits against the reference: the -inf mask exactly, finite entries to the fp32 tolerance.
+void expect_logits_match(const std::vector<double>& out, const reference::Vec& ref) {
   ASSERT_EQ(out.size(), ref.size());
   std::vector<double> out_finite, ref_finite;
   int64_t mask_mismatches = 0;
@@ -233,7 +232,7 @@ void expect_logits_match(const std::vector<double>& out, const reference::Vec& r
   EXPECT_EQ(mask_mismatches, 0);
   ASSERT_FALSE(ref_finite.empty());
   const double err = testing::rel_l2(out_finite, ref_finite);
-  EXPECT_LE(err, tol) << "logits rel-L2 over " << ref_finite.size() << " entries";
+  EXPECT_LE(err, testing::kTolF32) << "logits rel-L2 over " << ref_finite.size() << " entries";
   char err_str[32];
   std::snprintf(err_str, sizeof err_str, "%.3e", err);
   ::testing::Test::RecordProperty("logits_rel_l2", err_str);
@@ -315,8 +314,7 @@ TEST_P(IndexerTest, LogitsMatchReference) {
         const Tensor logits = poisoned(be(), DType::kF32, {end - begin, width});
         be().indexer_logits(q.args, begin, end, logits);
         expect_logits_match(testing::to_double(be().to_host(logits)),
-                            reference_logits(s, ref, begin, end, width),
-                            be().capabilities().indexer_logits_rel_l2);
+                            reference_logits(s, ref, begin, end, width));
       }
     }
   }
