@@ -254,6 +254,21 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
   return rows;
 }
 
+// One fresh causal prompt of T tokens at pool locations 0 … T-1, on the device: kv_locs,
+// kv_start (all 0) and ctx_len (t + 1) for the indexer and the sparse kernels.
+struct CausalPrompt {
+  Tensor locs, start, ctx;
+};
+CausalPrompt causal_prompt(Backend& be, int64_t t) {
+  std::vector<int32_t> locs(static_cast<size_t>(t)), start(static_cast<size_t>(t), 0),
+      ctx(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) locs[size_t(i)] = int32_t(i), ctx[size_t(i)] = int32_t(i + 1);
+  auto dev_i32 = [&](std::vector<int32_t>& v) {
+    return be.to_device(make_view(v.data(), DType::kI32, Device::kCpu, {int64_t(v.size())}));
+  };
+  return {dev_i32(locs), dev_i32(start), dev_i32(ctx)};
+}
+
 // The sparse MLA kernels alone over one fresh causal prompt of T tokens: the indexer's real top-k
 // (pool locations), every compiled kernel forced in turn. FLOPs count valid (query, key) pairs.
 std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64_t t,
@@ -275,13 +290,8 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
   // pow2 scales: the one policy both kernels read exactly (the wgmma kernel refuses amax).
   kd.scale_policy = ScalePolicy::kPow2;
   std::vector<PagedKvPool> pools;
-  std::vector<int32_t> locs_h(static_cast<size_t>(t)), start_h(static_cast<size_t>(t), 0),
-      ctx_h(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) locs_h[size_t(i)] = int32_t(i), ctx_h[size_t(i)] = int32_t(i + 1);
-  auto dev_i32 = [&](std::vector<int32_t>& v) {
-    return be.to_device(make_view(v.data(), DType::kI32, Device::kCpu, {int64_t(v.size())}));
-  };
-  const Tensor locs = dev_i32(locs_h), start = dev_i32(start_h), ctx = dev_i32(ctx_h);
+  const CausalPrompt prompt = causal_prompt(be, t);
+  const Tensor &locs = prompt.locs, &start = prompt.start, &ctx = prompt.ctx;
   for (int i = 0; i < kSets; ++i) {
     pools.push_back(be.make_kv_pool(kd));
     be.store_kv(pools.back(), locs, random_device(be, DType::kBF16, {t, dc}, 30 + i),
@@ -361,13 +371,8 @@ std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int6
   be.options().host_value_checks = false;
   double pairs = 0;
   for (int64_t i = k; i < t; ++i) pairs += double(i + 1);
-  std::vector<int32_t> locs_h(static_cast<size_t>(t)), start_h(static_cast<size_t>(t), 0),
-      ctx_h(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) locs_h[size_t(i)] = int32_t(i), ctx_h[size_t(i)] = int32_t(i + 1);
-  auto dev_i32 = [&](std::vector<int32_t>& v) {
-    return be.to_device(make_view(v.data(), DType::kI32, Device::kCpu, {int64_t(v.size())}));
-  };
-  const Tensor locs = dev_i32(locs_h), start = dev_i32(start_h), ctx = dev_i32(ctx_h);
+  const CausalPrompt prompt = causal_prompt(be, t);
+  const Tensor &locs = prompt.locs, &start = prompt.start, &ctx = prompt.ctx;
   IndexKeyPool ix = be.make_index_pool({64, (t + 63) / 64, int(di)});
   be.store_index_keys(ix, locs, random_device(be, DType::kBF16, {t, di}, 60));
   const Tensor idx_q = random_device(be, DType::kBF16, {t, hi, di}, 50);
