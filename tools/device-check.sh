@@ -13,8 +13,11 @@
 #   7. (explicit only) `profile`: ncu per-kernel times of a short-prompt call on both paths.
 #   8. (explicit only) `sparsebench`: `dsakit_bench_cuda --sparse` (every compiled sparse MLA
 #      kernel per shape and the row-gather bound) into $OUT/bench_sparse.{txt,json}.
+#   9. (explicit only) `indexerbench`: `dsakit_bench_cuda --indexer` (each logits kernel, top-k,
+#      indexer_topk at 4K-32K tokens) and the torch.topk peer (bench/peer_topk.py) in the same
+#      call, into $OUT/bench_indexer.{txt,json} and $OUT/peer_topk.{txt,json}.
 # Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench|calibrate|layerbench|profile|
-#                               sparsebench]...
+#                               sparsebench|indexerbench]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -157,6 +160,17 @@ if [ "${result[build]}" = PASS ] && explicit sparsebench; then
   cat "$out/bench_sparse.txt"
 fi
 
+if [ "${result[build]}" = PASS ] && explicit indexerbench; then
+  note "indexer kernels (logits per kernel, top-k, indexer_topk) and the torch.topk peer"
+  if timeout 240 build-dev/bench/dsakit_bench_cuda --indexer --json "$out/bench_indexer.json" \
+       >"$out/bench_indexer.txt" 2>"$out/bench_indexer.err"; then result[indexerbench]=PASS
+  else result[indexerbench]=FAIL; tail -5 "$out/bench_indexer.err"; fi
+  if timeout 120 python3 bench/peer_topk.py "$out/peer_topk.json" >"$out/peer_topk.txt" 2>&1; then
+    result[peer_topk]=PASS
+  else result[peer_topk]=FAIL; tail -5 "$out/peer_topk.txt"; fi
+  cat "$out/bench_indexer.txt" "$out/peer_topk.txt"
+fi
+
 # Layer benchmark steps (explicit only, not part of 'all': minutes of device time).
 models=${DSAKIT_BENCH_MODELS:-deepseek-v3.2:1,deepseek-v3.2:8,glm-5:1,glm-5:4}
 profile=${DSAKIT_PROFILE_IN:-$out/profile.json}
@@ -222,7 +236,7 @@ note "done"
 # The device tool returns at most 8 files: pack everything into one archive and keep only the
 # archive and the JSON results next to it.
 (cd "$out" && tar -czf logs.tgz --exclude=logs.tgz ./* 2>/dev/null &&
-  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json ! -name ncu_summary.txt ! -name bench_sparse.json \
+  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json ! -name ncu_summary.txt ! -name bench_sparse.json ! -name bench_indexer.json \
     -delete)
 echo
 printf '%-44s %s\n' CHECK RESULT
