@@ -37,8 +37,8 @@ struct CudaBackendOptions {
   // locations are skipped by stores and gather as zeros).
   bool host_value_checks = true;
   // The mma.sync kernel by default: fp32-exact per k32 step, so the layer keeps the float64
-  // reference's top-k sets. kWgmma is 4-5x faster with DeepGEMM's fp8 accumulation (~1.2e-4
-  // rel-L2), which moves near-tie top-k choices: opt in (docs/numerics.md, docs/perf.md).
+  // reference's top-k sets. kWgmma is faster (docs/perf.md) with DeepGEMM's fp8 accumulation
+  // (~1e-4 rel-L2), which moves near-tie top-k choices: opt in (docs/numerics.md).
   // DSAKIT_INDEXER_KERNEL (scalar | tc | sm90) overrides it.
   IndexerKernel indexer_kernel = IndexerKernel::kTensorCore;
   // The sparse MLA kernel: kAuto chooses per call (sparse_mla_kernel_for); the environment

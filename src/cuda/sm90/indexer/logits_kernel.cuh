@@ -18,12 +18,13 @@
 //   WG c < kConsumers: owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (N = 128 columns =
 //     kWgTokens x kHeads) and computes every tile with the same A operand: one chain of 4 k32
 //     wgmmas, then the tile's gated-ReLU head sums; with three such groups one group's sums run
-//     while the others' wgmmas keep the tensor cores busy. (A second accumulator per group, to
-//     overlap within a group, made ptxas serialize every wgmma: C7514.)
+//     while the others' wgmmas keep the tensor cores busy. One accumulator per group: the four
+//     wgmmas of a tile must stay one chain (ptxas serializes them, C7514, when the registers of
+//     another in-flight accumulator are read between them).
 //
 // Numerics: the tensor cores sum fp8 products in an accumulator that keeps fewer bits than fp32
-// (on the H200 the logits land ~1.2e-4 rel-L2 from fp32 arithmetic on the same codes, DeepGEMM's
-// figure); the mma.sync kernel (indexer/logits_tc.cu) is the fp32-exact one (docs/numerics.md).
+// (~1e-4 rel-L2 from fp32 arithmetic on the same codes, as DeepGEMM's kernel); the mma.sync
+// kernel (indexer/logits_tc.cu) is the fp32-exact one (docs/numerics.md).
 //
 // Rows of a CTA with different kv_start (a request boundary) are taken one request after the
 // other ("segments"): the tile loop runs per segment and stores only that segment's rows.
