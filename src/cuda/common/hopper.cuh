@@ -133,6 +133,12 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
 }
 
 // ---- wgmma --------------------------------------------------------------------------------
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128-byte-swizzled tile (rows of
+// 128 bytes, chunk c of row r at c ^ (r % 8)): where the copies that fill a wgmma operand write.
+__device__ __forceinline__ uint32_t swizzled_chunk(int row, int chunk) {
+  return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
 // Descriptor of a 128-byte-swizzled shared-memory operand starting at `addr` (see the file
 // comment for LBO / SBO); bits: start >> 4 [0, 14), LBO >> 4 [16, 30), SBO >> 4 [32, 46),
 // layout 1 = 128B swizzle [62, 64).

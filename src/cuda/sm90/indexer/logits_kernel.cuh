@@ -86,11 +86,6 @@ struct LogitsConfig {
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled tile.
-__device__ __forceinline__ uint32_t swizzled_row_chunk(int row, int chunk) {
-  return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
-}
-
 // ReLU that keeps NaN (max.NaN): a NaN score stays NaN, as in the other logits kernels.
 __device__ __forceinline__ float relu_nan(float x) {
   float y;
@@ -179,7 +174,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
       const bool ok = rows.ctx[r] >= 0;
       const uint8_t* src =
           ok ? p.q8 + ((p.row_begin + row0 + r) * kHeads + h) * C::kDim + 16 * chunk : p.q8;
-      sm90::cp_async_16_prefetch(base + C::kQ + swizzled_row_chunk(n, chunk), src, ok);
+      sm90::cp_async_16_prefetch(base + C::kQ + sm90::swizzled_chunk(n, chunk), src, ok);
     }
     for (int n = ptid; n < C::kCtaTokens * kHeads; n += 128) {
       const int r = n / kHeads, h = n % kHeads;
@@ -215,7 +210,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
         sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
 #pragma unroll
         for (int c = chunk0; c < chunk0 + C::kChunks / 2; ++c)
-          sm90::cp_async_16_prefetch(tile + swizzled_row_chunk(row, c), codes + 16 * c, ok);
+          sm90::cp_async_16_prefetch(tile + sm90::swizzled_chunk(row, c), codes + 16 * c, ok);
         if (chunk0 == 0) {
           sm90::cp_async_small<4>(base + C::kScale + 4 * (stage * C::kKeys + row),
                                   page_base + int64_t(p.page_size) * C::kDim + 4 * slot, ok);

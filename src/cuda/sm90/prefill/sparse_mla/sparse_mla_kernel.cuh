@@ -84,11 +84,6 @@ struct Sm90Config {
   static constexpr int kSyncMax0 = 1, kSyncMax1 = 2, kSyncP0 = 3, kSyncP1 = 4, kSyncSum = 5;
 };
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled tile.
-__device__ __forceinline__ uint32_t swizzled_chunk(int row, int chunk) {
-  return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
-}
-
 // ---- producer -----------------------------------------------------------------------------
 
 // The producer's share of one block: rows group + 16 i (i < 4) of the block, their locations
@@ -130,7 +125,8 @@ __device__ __forceinline__ void load_half(const SparseMlaParams& p, const BlockR
     const uint8_t* src = p.kv_pool + rows.loc[i] * Row::kBytes;
 #pragma unroll
     for (int tile = tile_begin; tile < tile_end; ++tile) {
-      const uint32_t dst = buffer + tile * Sm90Config::kTileBytes + swizzled_chunk(row, lane8);
+      const uint32_t dst =
+          buffer + tile * Sm90Config::kTileBytes + sm90::swizzled_chunk(row, lane8);
       if constexpr (kLayout == KvLayout::kBf16) {
         sm90::cp_async_16_prefetch(dst, src + tile * 128 + lane8 * 16, rows.ok[i]);
       } else if (kLayout == KvLayout::kFp8Scaled && tile == Sm90Config::kLatentTiles) {
@@ -156,7 +152,8 @@ __device__ __forceinline__ void convert_half(uint32_t buffer, int tile_begin, in
 #pragma unroll
     for (int tile = tile_begin; tile < tile_end; ++tile) {
       if (kLayout == KvLayout::kFp8Scaled && tile == Sm90Config::kLatentTiles) continue;
-      const uint32_t chunk = buffer + tile * Sm90Config::kTileBytes + swizzled_chunk(row, lane8);
+      const uint32_t chunk =
+          buffer + tile * Sm90Config::kTileBytes + sm90::swizzled_chunk(row, lane8);
       const uint2 codes = sm90::ld_shared_u32x2(chunk);
       const float scale = kLayout == KvLayout::kFp8Scaled ? sm90::ld_shared_f32(chunk + 8) : 1.f;
       const uint32_t words[2] = {codes.x, codes.y};
@@ -225,9 +222,9 @@ __device__ __forceinline__ void store_p(const float (&s)[32], uint32_t tile, int
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
     sm90::stmatrix_x4(
-        tile + swizzled_chunk(row, 2 * ks + (lane >> 4)), pack_bf16x2(s[8 * ks], s[8 * ks + 1]),
-        pack_bf16x2(s[8 * ks + 2], s[8 * ks + 3]), pack_bf16x2(s[8 * ks + 4], s[8 * ks + 5]),
-        pack_bf16x2(s[8 * ks + 6], s[8 * ks + 7]));
+        tile + sm90::swizzled_chunk(row, 2 * ks + (lane >> 4)),
+        pack_bf16x2(s[8 * ks], s[8 * ks + 1]), pack_bf16x2(s[8 * ks + 2], s[8 * ks + 3]),
+        pack_bf16x2(s[8 * ks + 4], s[8 * ks + 5]), pack_bf16x2(s[8 * ks + 6], s[8 * ks + 7]));
 }
 
 template <KvLayout kLayout>
@@ -288,10 +285,11 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
           p.q_abs + t * p.q_abs_token_stride + h * p.q_abs_head_stride + lane8 * 8;
 #pragma unroll
       for (int tile = 0; tile < C::kLatentTiles; ++tile)
-        sm90::cp_async_16_prefetch(q_tiles + tile * C::kTileBytes + swizzled_chunk(row, lane8),
-                                   latent + tile * 64, ok);
+        sm90::cp_async_16_prefetch(
+            q_tiles + tile * C::kTileBytes + sm90::swizzled_chunk(row, lane8), latent + tile * 64,
+            ok);
       sm90::cp_async_16_prefetch(
-          q_tiles + C::kLatentTiles * C::kTileBytes + swizzled_chunk(row, lane8),
+          q_tiles + C::kLatentTiles * C::kTileBytes + sm90::swizzled_chunk(row, lane8),
           p.q_pe + t * p.q_pe_token_stride + h * p.q_pe_head_stride + lane8 * 8, ok);
     }
     sm90::cp_async_mbarrier_arrive(bar_q);
