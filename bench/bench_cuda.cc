@@ -254,6 +254,71 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
   return rows;
 }
 
+// The dense MHA kernels alone over one batch of requests (prefix P_r, extend E_r), every compiled
+// kernel forced in turn: K / V as the halves of one [N, H, d_nope + d_v] buffer (what the layer's
+// up-projection writes), bottom-right causal. FLOPs count visible (query, key) pairs.
+std::vector<Row> bench_dense(cuda::CudaBackend& be, const ModelConfig& c,
+                             const std::vector<std::pair<int32_t, int32_t>>& prefix_extend) {
+  std::string batch;
+  std::vector<int32_t> cu_q{0}, cu_kv{0};
+  double pairs = 0;
+  for (const auto& [p, e] : prefix_extend) {
+    batch += fmt::format("{}{}{}", batch.empty() ? "" : ",", p > 0 ? fmt::format("{}+", p) : "", e);
+    cu_q.push_back(cu_q.back() + e);
+    cu_kv.push_back(cu_kv.back() + p + e);
+    pairs += double(e) * p + double(e) * (e + 1) / 2;
+  }
+  const std::string shape = fmt::format("{} H={} [{}]", c.name, c.num_heads, batch);
+  std::fprintf(stderr, "[bench] dense %s\n", shape.c_str());
+  const int64_t h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
+                dv = c.v_head_dim, t = cu_q.back(), n = cu_kv.back();
+  be.options().host_value_checks = false;
+  const auto dev_i32 = [&](std::vector<int32_t>& v) {
+    return be.to_device(make_view(v.data(), DType::kI32, Device::kCpu, {int64_t(v.size())}));
+  };
+  const Tensor cu_q_d = dev_i32(cu_q), cu_kv_d = dev_i32(cu_kv);
+  std::vector<Tensor> q_nope, q_pe, kv_up;
+  for (int i = 0; i < kSets; ++i) {
+    q_nope.push_back(uniform_bf16_device(be, {t, h, dn}, 10 + i, 1.f));
+    q_pe.push_back(uniform_bf16_device(be, {t, h, dr}, 20 + i, 1.f));
+    kv_up.push_back(uniform_bf16_device(be, {n, h, dn + dv}, 30 + i, 1.f));
+  }
+  const Tensor k_pe = uniform_bf16_device(be, {n, dr}, 40, 1.f);
+  Tensor o = be.empty(DType::kBF16, {t, h, dv}), lse = be.empty(DType::kF32, {t, h});
+  std::vector<Row> rows;
+  const AttentionKernel previous = be.options().dense_mha_kernel;
+  for (const auto& [kernel, name] : {std::pair{AttentionKernel::kMmaSync, "dense_mha_sm80"},
+                                     std::pair{AttentionKernel::kWgmma, "dense_mha_sm90"}}) {
+    be.options().dense_mha_kernel = kernel;
+    try {
+      const Timing tm = time_ms(be, [&](int i) {
+        const KvHalves halves = kv_halves(kv_up[size_t(i % kSets)], dn);
+        DenseMhaArgs a;
+        a.q_nope = q_nope[size_t(i % kSets)];
+        a.q_pe = q_pe[size_t(i % kSets)];
+        a.k_nope = halves.k_nope;
+        a.k_pe = k_pe;
+        a.v = halves.v;
+        a.cu_q = cu_q_d;
+        a.cu_kv = cu_kv_d;
+        a.cu_q_host = cu_q.data();
+        a.cu_kv_host = cu_kv.data();
+        a.num_requests = int(prefix_extend.size());
+        a.sm_scale = c.softmax_scale();
+        a.o = o;
+        a.lse = lse;
+        be.dense_mha(a);
+      });
+      rows.push_back({shape, name, tm, 2.0 * h * pairs * (dn + dr + dv), 0});
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kUnsupported) throw;
+    }
+  }
+  be.options().dense_mha_kernel = previous;
+  be.options().host_value_checks = true;
+  return rows;
+}
+
 // One fresh causal prompt of T tokens at pool locations 0 … T-1, on the device: kv_locs,
 // kv_start (all 0) and ctx_len (t + 1) for the indexer and the sparse kernels.
 struct CausalPrompt {
@@ -313,9 +378,9 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
   be.positions_to_locations(top, locs, start, ctx, loc_top);
   Tensor o_lat = be.empty(DType::kBF16, {t, h, dc}), lse = be.empty(DType::kF32, {t, h});
   std::vector<Row> rows;
-  const SparseMlaKernel previous = be.options().sparse_mla_kernel;
-  for (const auto& [kernel, name] : {std::pair{SparseMlaKernel::kMmaSync, "sparse_mla_sm80"},
-                                     std::pair{SparseMlaKernel::kWgmma, "sparse_mla_sm90"}}) {
+  const AttentionKernel previous = be.options().sparse_mla_kernel;
+  for (const auto& [kernel, name] : {std::pair{AttentionKernel::kMmaSync, "sparse_mla_sm80"},
+                                     std::pair{AttentionKernel::kWgmma, "sparse_mla_sm90"}}) {
     be.options().sparse_mla_kernel = kernel;
     try {
       const Timing tm = time_ms(be, [&](int i) {
@@ -456,7 +521,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
 
 int main(int argc, char** argv) {
   std::string json_path;
-  bool quick = false, sparse = false, indexer = false;
+  bool quick = false, sparse = false, indexer = false, dense = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
@@ -466,10 +531,14 @@ int main(int argc, char** argv) {
       sparse = true;
     else if (!std::strcmp(argv[i], "--indexer"))
       indexer = true;
+    else if (!std::strcmp(argv[i], "--dense"))
+      dense = true;
     else {
       std::fprintf(stderr,
-                   "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse] [--indexer]\n"
+                   "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse] [--indexer] "
+                   "[--dense]\n"
                    "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n"
+                   "  --dense: only the dense MHA kernels, every compiled kernel per shape\n"
                    "  --indexer: only the indexer's logits kernels, top-k and indexer_topk\n");
       return 2;
     }
@@ -479,7 +548,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "dsakit_bench_cuda: no GPU visible\n");
       return 2;
     }
-    const bool kernels_only = sparse || indexer;  // no stage or layer rows
+    const bool kernels_only = sparse || indexer || dense;  // no stage or layer rows
     cuda::CudaBackend be(0);
     const Backend::Ceilings ceil = be.measure_ceilings();
     std::vector<Row> rows;
@@ -491,6 +560,24 @@ int main(int argc, char** argv) {
         auto r = bench_indexer(be, ds, t);
         rows.insert(rows.end(), r.begin(), r.end());
       }
+    }
+    if (dense) {
+      using Batch = std::vector<std::pair<int32_t, int32_t>>;
+      const std::vector<int32_t> lengths =
+          quick ? std::vector<int32_t>{4096} : std::vector<int32_t>{1024, 2048, 4096, 8192, 16384};
+      for (const ModelConfig& m : {ds, ds.with_tp(4), ds.with_tp(8), glm, glm.with_tp(4)})
+        for (int32_t t : lengths) {
+          if (t > 4096 && m.num_heads < 64) continue;  // the TP-shard targets stop at 4K
+          auto r = bench_dense(be, m, Batch{{0, t}});
+          rows.insert(rows.end(), r.begin(), r.end());
+        }
+      // Varlen batches with cached prefixes, and one fresh prompt of about their FLOPs.
+      for (const ModelConfig& m : {ds, ds.with_tp(8)})
+        for (const Batch& b : {Batch{{0, 1500}, {0, 700}}, Batch{{1984, 64}, {0, 512}, {1900, 100}},
+                               Batch{{0, 1658}}, Batch{{0, 1024}}}) {
+          auto r = bench_dense(be, m, b);
+          rows.insert(rows.end(), r.begin(), r.end());
+        }
     }
     if (sparse) {
       for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw})

@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = [  # (name, H, T, d_qk, d_v)
-    ("deepseek-v3.2", 128, 4096, 192, 128), ("deepseek-v3.2", 16, 4096, 192, 128),
-    ("deepseek-v3.2", 128, 16384, 192, 128), ("deepseek-v3.2", 16, 16384, 192, 128),
-    ("glm-5", 64, 4096, 256, 256), ("glm-5", 16, 4096, 256, 256),
+SHAPES = [  # (name, H, T, d_qk, d_v): the shapes of dsakit_bench_cuda's rows
+    *[("deepseek-v3.2", 128, t, 192, 128) for t in (1024, 2048, 4096, 8192, 16384)],
+    *[("deepseek-v3.2", h, t, 192, 128) for h in (32, 16) for t in (1024, 2048, 4096)],
+    ("deepseek-v3.2", 16, 16384, 192, 128),
+    *[("glm-5", 64, t, 256, 256) for t in (1024, 2048, 4096, 8192, 16384)],
+    *[("glm-5", 16, t, 256, 256) for t in (1024, 2048, 4096)],
 ]
 
 
@@ -44,7 +46,7 @@ def main():
                 with sdpa_kernel([backend]):
                     ms = median_ms(lambda i: F.scaled_dot_product_attention(
                         *sets[i % 3], is_causal=True, scale=0.1352))
-                rows.append({"shape": f"{name} H={h} T={t}", "peer": backend.name, "ms": ms,
+                rows.append({"shape": f"{name} H={h} [{t}]", "peer": backend.name, "ms": ms,
                              "tflops": flops / ms / 1e9})
                 break
             except RuntimeError as e:  # this backend does not take the shape

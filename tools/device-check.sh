@@ -13,11 +13,15 @@
 #   7. (explicit only) `profile`: ncu per-kernel times of a short-prompt call on both paths.
 #   8. (explicit only) `sparsebench`: `dsakit_bench_cuda --sparse` (every compiled sparse MLA
 #      kernel per shape and the row-gather bound) into $OUT/bench_sparse.{txt,json}.
+#  10. (explicit only) `densebench`: `dsakit_bench_cuda --dense` (every compiled dense MHA kernel
+#      per shape: fresh prompts 1K-16K, TP shards, varlen batches with prefixes) and the cuDNN
+#      peer (bench/peer_sdpa.py) in the same call, into $OUT/bench_dense.{txt,json} and
+#      $OUT/peer_sdpa.{txt,json}.
 #   9. (explicit only) `indexerbench`: `dsakit_bench_cuda --indexer` (each logits kernel, top-k,
 #      indexer_topk at 4K-32K tokens) and the torch.topk peer (bench/peer_topk.py) in the same
 #      call, into $OUT/bench_indexer.{txt,json} and $OUT/peer_topk.{txt,json}.
 # Usage: tools/device-check.sh [all|build|tests|sanitize|verify|bench|calibrate|layerbench|profile|
-#                               sparsebench|indexerbench]...
+#                               sparsebench|indexerbench|densebench]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -150,6 +154,18 @@ if [ "${result[build]}" = PASS ] && want bench; then
        2>"$out/peer_sdpa.err"; then result[peer]=PASS
   else result[peer]=FAIL; tail -5 "$out/peer_sdpa.err"; fi
   cat "$out/bench_cuda.txt" "$out/peer_sdpa.txt"
+fi
+
+if [ "${result[build]}" = PASS ] && explicit densebench; then
+  note "dense MHA kernels (every compiled kernel per shape) and the cuDNN peer"
+  if timeout 300 build-dev/bench/dsakit_bench_cuda --dense ${DSAKIT_BENCH_ARGS:-} \
+       --json "$out/bench_dense.json" >"$out/bench_dense.txt" 2>"$out/bench_dense.err"; then
+    result[densebench]=PASS
+  else result[densebench]=FAIL; tail -5 "$out/bench_dense.err"; fi
+  if timeout 240 python3 bench/peer_sdpa.py "$out/peer_sdpa.json" >"$out/peer_sdpa.txt" \
+       2>"$out/peer_sdpa.err"; then result[peer]=PASS
+  else result[peer]=FAIL; tail -5 "$out/peer_sdpa.err"; fi
+  cat "$out/bench_dense.txt" "$out/peer_sdpa.txt"
 fi
 
 if [ "${result[build]}" = PASS ] && explicit sparsebench; then

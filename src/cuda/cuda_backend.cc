@@ -40,18 +40,17 @@ IndexerKernel indexer_kernel(const CudaBackendOptions& options) {
                      : IndexerKernel::kScalar;
 }
 
-// The sparse MLA kernel to run: DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides the
-// option.
-SparseMlaKernel sparse_mla_kernel(const CudaBackendOptions& options) {
-  constexpr const char* kEnv = "DSAKIT_SPARSE_MLA_KERNEL";
-  const char* s = std::getenv(kEnv);
-  if (s == nullptr || *s == 0) return options.sparse_mla_kernel;
+// The attention kernel to run: the environment variable `env` (auto | sm80 | sm90) overrides
+// the option.
+AttentionKernel attention_kernel(const char* env, AttentionKernel option) {
+  const char* s = std::getenv(env);
+  if (s == nullptr || *s == 0) return option;
   const std::string v = s;
-  DSAKIT_CHECK_ARG(v == "auto" || v == "sm80" || v == "sm90", kEnv,
+  DSAKIT_CHECK_ARG(v == "auto" || v == "sm80" || v == "sm90", env,
                    ": expected 'auto', 'sm80' or 'sm90', got '", v, "'");
-  return v == "sm80"   ? SparseMlaKernel::kMmaSync
-         : v == "sm90" ? SparseMlaKernel::kWgmma
-                       : SparseMlaKernel::kAuto;
+  return v == "sm80"   ? AttentionKernel::kMmaSync
+         : v == "sm90" ? AttentionKernel::kWgmma
+                       : AttentionKernel::kAuto;
 }
 
 }  // namespace
@@ -542,7 +541,8 @@ void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj
 void CudaBackend::sparse_mla(const SparseMlaArgs& args) {
   activate();
   validate::sparse_mla(args, Device::kCuda);
-  cuda_sparse_mla(args, stream_, sparse_mla_kernel(options_));
+  cuda_sparse_mla(args, stream_,
+                  attention_kernel("DSAKIT_SPARSE_MLA_KERNEL", options_.sparse_mla_kernel));
 }
 
 int64_t CudaBackend::dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope,
@@ -556,10 +556,13 @@ void CudaBackend::dense_mha(const DenseMhaArgs& args) {
   // The schedule and split-KV partials: freed after the launches (the arena reuses them in
   // stream order only).
   std::vector<Tensor> scratch;
-  cuda_dense_mha(args, sm_count_, stream_, [&](size_t bytes) {
-    scratch.push_back(empty(DType::kU8, {int64_t(bytes)}));
-    return scratch.back().view().data;
-  });
+  cuda_dense_mha(
+      args, sm_count_, stream_,
+      [&](size_t bytes) {
+        scratch.push_back(empty(DType::kU8, {int64_t(bytes)}));
+        return scratch.back().view().data;
+      },
+      attention_kernel("DSAKIT_DENSE_MHA_KERNEL", options_.dense_mha_kernel));
 }
 
 void CudaBackend::merge_partials(const TensorView& o_parts, const TensorView& lse_parts,

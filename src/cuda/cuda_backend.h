@@ -43,7 +43,10 @@ struct CudaBackendOptions {
   IndexerKernel indexer_kernel = IndexerKernel::kTensorCore;
   // The sparse MLA kernel: kAuto chooses per call (sparse_mla_kernel_for); the environment
   // variable DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides it.
-  SparseMlaKernel sparse_mla_kernel = SparseMlaKernel::kAuto;
+  AttentionKernel sparse_mla_kernel = AttentionKernel::kAuto;
+  // The dense MHA kernel: kAuto chooses per call (dense_mha_kernel_for); the environment
+  // variable DSAKIT_DENSE_MHA_KERNEL (auto | sm80 | sm90) overrides it.
+  AttentionKernel dense_mha_kernel = AttentionKernel::kAuto;
 };
 
 class CudaBackend final : public Backend {

@@ -11,8 +11,8 @@
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
+#include "src/cuda/attention/dense_mha_schedule.h"
 #include "src/cuda/attention/dispatch.h"
-#include "src/cuda/sm80/prefill/dense_mha/dense_mha_schedule.h"
 #include "src/reference/reference.h"
 #include "tests/common/test_util.h"
 
@@ -34,6 +34,13 @@ class CudaAttention : public ::testing::Test {
     return t;
   }
   std::unique_ptr<Backend> backend_;
+};
+
+// Forces one attention kernel ("sm80" | "sm90") through its environment variable while alive.
+struct KernelScope {
+  KernelScope(const char* env, const char* name) : env_(env) { ::setenv(env, name, 1); }
+  ~KernelScope() { ::unsetenv(env_); }
+  const char* env_;
 };
 
 Tensor host_i32(const std::vector<int32_t>& v) {
@@ -191,16 +198,12 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kFp8Scaled, 3, 33, 700, true, ScalePolicy::kPow2},
       {KvLayout::kFp8Scaled, 2, 16, 2048, false, ScalePolicy::kPow2},
   };
-  struct KernelScope {
-    explicit KernelScope(const char* name) { ::setenv("DSAKIT_SPARSE_MLA_KERNEL", name, 1); }
-    ~KernelScope() { ::unsetenv("DSAKIT_SPARSE_MLA_KERNEL"); }
-  };
   for (const SparseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {
       if (std::string(kernel) == "sm90" &&
           !cuda::attention::dispatch_sparse_mla_sm90(c.layout, [](auto) {}))
         continue;
-      const KernelScope scope(kernel);
+      const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", kernel);
       const uint64_t seed = testing::fresh_seed();
       SCOPED_TRACE(::testing::Message()
                    << "seed " << seed << " kernel " << kernel << " layout " << to_string(c.layout)
@@ -273,25 +276,25 @@ TEST_F(CudaSparseMla, UnsupportedDtypeIsRejectedNamingTheArgument) {
 using cuda::dense_mha::build_dense_schedule;
 using cuda::dense_mha::DenseSchedule;
 using cuda::dense_mha::DenseTile;
-using cuda::dense_mha::kDenseBlockM;
-using cuda::dense_mha::kDenseBlockN;
+using cuda::dense_mha::DenseTileShape;
 
 // Every (request row, kv block the row sees) is covered by exactly one tile, every tile's rows
 // lie in one request, parts and slots are consistent, and tiles go heaviest first.
 void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& cu_q,
-                            const std::vector<int32_t>& cu_kv) {
+                            const std::vector<int32_t>& cu_kv,
+                            DenseTileShape shape = cuda::dense_mha::kDenseSm80Shape) {
   const int b = int(cu_q.size()) - 1;
   // covered[row][block] counts over all tiles.
   std::vector<std::vector<int>> covered(size_t(cu_q.back()));
   for (int r = 0; r < b; ++r)
     for (int32_t i = cu_q[r]; i < cu_q[r + 1]; ++i) {
       const int32_t pos = cu_kv[r + 1] - cu_kv[r] - (cu_q[r + 1] - i);  // row's position
-      covered[size_t(i)].assign(size_t(pos / kDenseBlockN + 1), 0);
+      covered[size_t(i)].assign(size_t(pos / shape.block_n + 1), 0);
     }
   for (size_t k = 0; k < s.tiles.size(); ++k) {
     const DenseTile& t = s.tiles[k];
     ASSERT_GE(t.q_len, 1);
-    ASSERT_LE(t.q_len, kDenseBlockM);
+    ASSERT_LE(t.q_len, shape.block_m);
     ASSERT_GE(t.part, 0);
     ASSERT_LT(t.part, s.parts);
     ASSERT_LE(t.block_begin, t.block_end);
@@ -301,7 +304,7 @@ void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& 
     for (int32_t i = 0; i < t.q_len; ++i) {
       auto& row = covered[size_t(t.q_begin + i)];
       const int32_t pos = t.first_query_pos + i;
-      for (int32_t blk = t.block_begin; blk < t.block_end && blk * kDenseBlockN <= pos; ++blk)
+      for (int32_t blk = t.block_begin; blk < t.block_end && blk * shape.block_n <= pos; ++blk)
         ++row[size_t(blk)];
     }
   }
@@ -324,7 +327,7 @@ TEST(DenseMhaSchedule, SplitsOnlyLongTilesOnGridsThatLeaveSmsIdle) {
   };
   const Case cases[] = {
       // 4 tiles x 16 heads = 64 CTAs on 132 SMs, but the longest tile has only 4 blocks
-      // (< kDenseMinSplitBlocks).
+      // (256 kv rows < kDenseMinSplitRows).
       {"T=256, 16 heads", 0, 256, 16, 1, 0},
       // 4 tiles x 128 heads fill the SMs already.
       {"T=256, 128 heads", 0, 256, 128, 1, 0},
@@ -375,11 +378,22 @@ TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
     const int64_t heads = std::vector<int64_t>{1, 4, 16, 64, 128}[size_t(rng.randint(0, 4))];
     const int sms = int(rng.randint(1, 200));
     const int64_t budget = rng.randint(0, int64_t(1) << 28);
-    const DenseSchedule s =
-        build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms, kPartialRowBytes, budget);
-    expect_schedule_covers(s, cu_q, cu_kv);
-    if (s.parts > 1) {
-      EXPECT_LE(s.parts * int64_t(cu_q.back()) * heads * kPartialRowBytes, budget);
+    // Every kernel's tile shape: mma.sync's, and the wgmma kernel's for d_v 128 and 256.
+    for (const DenseTileShape shape :
+         {cuda::dense_mha::kDenseSm80Shape, cuda::dense_mha::dense_sm90_shape(128),
+          cuda::dense_mha::dense_sm90_shape(256)}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "block_m " << shape.block_m << " block_n " << shape.block_n);
+      const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms,
+                                                   kPartialRowBytes, budget, shape);
+      expect_schedule_covers(s, cu_q, cu_kv, shape);
+      if (s.parts > 1) {
+        EXPECT_LE(s.parts * int64_t(cu_q.back()) * heads * kPartialRowBytes, budget);
+        // The split keeps the CTAs with work within the kernel's occupancy.
+        int64_t working = 0;
+        for (const DenseTile& t : s.tiles) working += t.block_end > t.block_begin ? 1 : 0;
+        EXPECT_LE(working * heads, int64_t(shape.ctas_per_sm) * sms);
+      }
     }
     if (HasFatalFailure()) return;
   }
@@ -415,88 +429,160 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   many.prefix_extend.push_back({0, 130});
   ASSERT_GT(many.prefix_extend.size(), size_t(cuda::dense_mha::kDenseInlineTiles));
   cases.push_back(many);
+  // Longer prompts: many kv blocks per tile, a tile's last block reaching past its rows, a
+  // second consumer group with no rows (E % 128 <= 64), and both kernels' tile shapes.
+  cases.push_back({128, 128, 8, {{0, 700}, {300, 333}, {129, 64}}});
+  cases.push_back({192, 256, 4, {{0, 517}, {64, 191}, {1, 1}}});
   constexpr int kDr = 64;
-  for (const DenseCase& c : cases) {
-    const uint64_t seed = testing::fresh_seed();
-    SCOPED_TRACE(::testing::Message() << "seed " << seed << " d_nope " << c.d_nope << " d_v "
-                                      << c.d_v << " H " << c.num_heads);
-    Rng rng(seed);
-    std::vector<int32_t> cu_q{0}, cu_kv{0};
-    for (auto [p, e] : c.prefix_extend) {
-      cu_q.push_back(cu_q.back() + e);
-      cu_kv.push_back(cu_kv.back() + p + e);
-    }
-    const int t_n = cu_q.back(), n = cu_kv.back(), h = c.num_heads, b = int(c.prefix_extend.size());
-    const int d_qk = c.d_nope + kDr;
-    Tensor q_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, c.d_nope});
-    Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr});
-    Tensor k_nope = testing::random_tensor(rng, DType::kBF16, {n, h, c.d_nope});
-    Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {n, kDr});
-    Tensor v = testing::random_tensor(rng, DType::kBF16, {n, h, c.d_v});
-    Tensor qn_d = to_dev(q_nope), qp_d = to_dev(q_pe), kn_d = to_dev(k_nope), kp_d = to_dev(k_pe),
-           v_d = to_dev(v), cq_d = to_dev(host_i32(cu_q)), ck_d = to_dev(host_i32(cu_kv));
-
-    DenseMhaArgs a;
-    a.q_nope = qn_d.view();
-    a.q_pe = qp_d.view();
-    a.k_nope = kn_d.view();
-    a.k_pe = kp_d.view();
-    a.v = v_d.view();
-    a.cu_q = cq_d.view();
-    a.cu_kv = ck_d.view();
-    a.cu_q_host = cu_q.data();
-    a.cu_kv_host = cu_kv.data();
-    a.num_requests = b;
-    a.sm_scale = 1.0 / std::sqrt(double(d_qk));
-    // K and V also as the halves of one [n, h, d_nope + d_v] buffer (what one up-projection
-    // GEMM writes): the third run reads them there and must give the same bits.
-    Tensor kv_host = Tensor::host(DType::kBF16, {n, h, c.d_nope + c.d_v});
-    for (int64_t nh = 0; nh < int64_t(n) * h; ++nh) {
-      bf16_t* row = kv_host.ptr<bf16_t>() + nh * (c.d_nope + c.d_v);
-      std::memcpy(row, k_nope.ptr<bf16_t>() + nh * c.d_nope, size_t(c.d_nope) * 2);
-      std::memcpy(row + c.d_nope, v.ptr<bf16_t>() + nh * c.d_v, size_t(c.d_v) * 2);
-    }
-    const Tensor kv_d = to_dev(kv_host);
-    const KvHalves halves = kv_halves(kv_d, c.d_nope);
-    std::vector<uint8_t> first_bits;
-    std::vector<double> o_out, lse_out;
-    for (int run = 0; run < 3; ++run) {
-      Tensor o = poisoned(DType::kBF16, {t_n, h, c.d_v});
-      Tensor lse = poisoned(DType::kF32, {t_n, h});
-      a.o = o.view();
-      a.lse = lse.view();
-      a.k_nope = run == 2 ? halves.k_nope : kn_d.view();
-      a.v = run == 2 ? halves.v : v_d.view();
-      backend_->dense_mha(a);
-      Tensor o_h = backend_->to_host(o.view());
-      std::vector<uint8_t> bits(o_h.nbytes());
-      std::memcpy(bits.data(), o_h.ptr<uint8_t>(), bits.size());
-      if (run == 0) {
-        first_bits = std::move(bits);
-        o_out = testing::to_double(o_h.view());
-        lse_out = testing::to_double(backend_->to_host(lse.view()).view());
-      } else {
-        EXPECT_EQ(bits, first_bits) << (run == 1 ? "o differs between two identical runs"
-                                                 : "o differs with K/V as halves of one buffer");
+  for (const DenseCase& c : cases)
+    for (const char* kernel : {"sm80", "sm90"}) {
+      const KernelScope scope("DSAKIT_DENSE_MHA_KERNEL", kernel);
+      const uint64_t seed = testing::fresh_seed();
+      SCOPED_TRACE(::testing::Message() << "seed " << seed << " kernel " << kernel << " d_nope "
+                                        << c.d_nope << " d_v " << c.d_v << " H " << c.num_heads);
+      Rng rng(seed);
+      std::vector<int32_t> cu_q{0}, cu_kv{0};
+      for (auto [p, e] : c.prefix_extend) {
+        cu_q.push_back(cu_q.back() + e);
+        cu_kv.push_back(cu_kv.back() + p + e);
       }
-    }
+      const int t_n = cu_q.back(), n = cu_kv.back(), h = c.num_heads,
+                b = int(c.prefix_extend.size());
+      const int d_qk = c.d_nope + kDr;
+      Tensor q_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, c.d_nope});
+      Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr});
+      Tensor k_nope = testing::random_tensor(rng, DType::kBF16, {n, h, c.d_nope});
+      Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {n, kDr});
+      Tensor v = testing::random_tensor(rng, DType::kBF16, {n, h, c.d_v});
+      Tensor qn_d = to_dev(q_nope), qp_d = to_dev(q_pe), kn_d = to_dev(k_nope), kp_d = to_dev(k_pe),
+             v_d = to_dev(v), cq_d = to_dev(host_i32(cu_q)), ck_d = to_dev(host_i32(cu_kv));
 
-    std::vector<double> q(size_t(t_n) * h * d_qk), k(size_t(n) * h * d_qk);
-    const auto qn = testing::to_double(q_nope.view()), qp = testing::to_double(q_pe.view());
-    const auto kn = testing::to_double(k_nope.view()), kp = testing::to_double(k_pe.view());
-    for (size_t th = 0; th < size_t(t_n) * h; ++th) {
-      for (int d = 0; d < c.d_nope; ++d) q[th * d_qk + d] = qn[th * c.d_nope + d];
-      for (int d = 0; d < kDr; ++d) q[th * d_qk + c.d_nope + d] = qp[th * kDr + d];
+      DenseMhaArgs a;
+      a.q_nope = qn_d.view();
+      a.q_pe = qp_d.view();
+      a.k_nope = kn_d.view();
+      a.k_pe = kp_d.view();
+      a.v = v_d.view();
+      a.cu_q = cq_d.view();
+      a.cu_kv = ck_d.view();
+      a.cu_q_host = cu_q.data();
+      a.cu_kv_host = cu_kv.data();
+      a.num_requests = b;
+      a.sm_scale = 1.0 / std::sqrt(double(d_qk));
+      // K and V also as the halves of one [n, h, d_nope + d_v] buffer (what one up-projection
+      // GEMM writes): the third run reads them there and must give the same bits.
+      Tensor kv_host = Tensor::host(DType::kBF16, {n, h, c.d_nope + c.d_v});
+      for (int64_t nh = 0; nh < int64_t(n) * h; ++nh) {
+        bf16_t* row = kv_host.ptr<bf16_t>() + nh * (c.d_nope + c.d_v);
+        std::memcpy(row, k_nope.ptr<bf16_t>() + nh * c.d_nope, size_t(c.d_nope) * 2);
+        std::memcpy(row + c.d_nope, v.ptr<bf16_t>() + nh * c.d_v, size_t(c.d_v) * 2);
+      }
+      const Tensor kv_d = to_dev(kv_host);
+      const KvHalves halves = kv_halves(kv_d, c.d_nope);
+      std::vector<uint8_t> first_bits;
+      std::vector<double> o_out, lse_out;
+      for (int run = 0; run < 3; ++run) {
+        Tensor o = poisoned(DType::kBF16, {t_n, h, c.d_v});
+        Tensor lse = poisoned(DType::kF32, {t_n, h});
+        a.o = o.view();
+        a.lse = lse.view();
+        a.k_nope = run == 2 ? halves.k_nope : kn_d.view();
+        a.v = run == 2 ? halves.v : v_d.view();
+        backend_->dense_mha(a);
+        Tensor o_h = backend_->to_host(o.view());
+        std::vector<uint8_t> bits(o_h.nbytes());
+        std::memcpy(bits.data(), o_h.ptr<uint8_t>(), bits.size());
+        if (run == 0) {
+          first_bits = std::move(bits);
+          o_out = testing::to_double(o_h.view());
+          lse_out = testing::to_double(backend_->to_host(lse.view()).view());
+        } else {
+          EXPECT_EQ(bits, first_bits) << (run == 1 ? "o differs between two identical runs"
+                                                   : "o differs with K/V as halves of one buffer");
+        }
+      }
+
+      std::vector<double> q(size_t(t_n) * h * d_qk), k(size_t(n) * h * d_qk);
+      const auto qn = testing::to_double(q_nope.view()), qp = testing::to_double(q_pe.view());
+      const auto kn = testing::to_double(k_nope.view()), kp = testing::to_double(k_pe.view());
+      for (size_t th = 0; th < size_t(t_n) * h; ++th) {
+        for (int d = 0; d < c.d_nope; ++d) q[th * d_qk + d] = qn[th * c.d_nope + d];
+        for (int d = 0; d < kDr; ++d) q[th * d_qk + c.d_nope + d] = qp[th * kDr + d];
+      }
+      for (size_t nh = 0; nh < size_t(n) * h; ++nh) {
+        for (int d = 0; d < c.d_nope; ++d) k[nh * d_qk + d] = kn[nh * c.d_nope + d];
+        for (int d = 0; d < kDr; ++d) k[nh * d_qk + c.d_nope + d] = kp[(nh / h) * kDr + d];
+      }
+      const auto ref = reference::dense_attention(q, k, testing::to_double(v.view()), h, d_qk,
+                                                  c.d_v, cu_q, cu_kv, a.sm_scale);
+      EXPECT_LE(testing::rel_l2(o_out, ref.o), testing::kTolBf16) << "o rel-L2";
+      EXPECT_LE(testing::max_abs_diff(lse_out, ref.lse), testing::kTolLse) << "lse";
     }
-    for (size_t nh = 0; nh < size_t(n) * h; ++nh) {
-      for (int d = 0; d < c.d_nope; ++d) k[nh * d_qk + d] = kn[nh * c.d_nope + d];
-      for (int d = 0; d < kDr; ++d) k[nh * d_qk + c.d_nope + d] = kp[(nh / h) * kDr + d];
+}
+
+// A request's output does not depend on the rows after it: NaN in every K / V row of the second
+// request leaves the first request's o and lse bit-identical (the kernels read a block past a
+// tile's last visible row as zeros, so P = 0 never multiplies another request's NaN).
+TEST_F(CudaDenseMha, NanInALaterRequestDoesNotReachAnEarlierOne) {
+  constexpr int kDr = 64;
+  for (const auto& [d_nope, d_v] : {std::pair{128, 128}, std::pair{192, 256}})
+    for (const char* kernel : {"sm80", "sm90"}) {
+      const KernelScope scope("DSAKIT_DENSE_MHA_KERNEL", kernel);
+      const uint64_t seed = testing::fresh_seed();
+      SCOPED_TRACE(::testing::Message()
+                   << "seed " << seed << " kernel " << kernel << " d_v " << d_v);
+      Rng rng(seed);
+      const std::vector<int32_t> cu_q{0, 100, 150}, cu_kv{0, 100, 150};
+      const int t_n = 150, h = 2, first = 100;
+      Tensor q_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, d_nope});
+      Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr});
+      Tensor k_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, d_nope});
+      Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {t_n, kDr});
+      Tensor v = testing::random_tensor(rng, DType::kBF16, {t_n, h, d_v});
+      Tensor qn_d = to_dev(q_nope), qp_d = to_dev(q_pe), cq_d = to_dev(host_i32(cu_q)),
+             ck_d = to_dev(host_i32(cu_kv));
+      std::vector<uint8_t> clean_bits[2];
+      for (int poison_second = 0; poison_second < 2; ++poison_second) {
+        if (poison_second) {
+          const bf16_t nan{uint16_t(0x7FC0)};
+          for (int64_t i = int64_t(first) * h * d_nope; i < int64_t(t_n) * h * d_nope; ++i)
+            k_nope.ptr<bf16_t>()[i] = nan;
+          for (int64_t i = int64_t(first) * kDr; i < int64_t(t_n) * kDr; ++i)
+            k_pe.ptr<bf16_t>()[i] = nan;
+          for (int64_t i = int64_t(first) * h * d_v; i < int64_t(t_n) * h * d_v; ++i)
+            v.ptr<bf16_t>()[i] = nan;
+        }
+        Tensor kn_d = to_dev(k_nope), kp_d = to_dev(k_pe), v_d = to_dev(v);
+        Tensor o = poisoned(DType::kBF16, {t_n, h, d_v});
+        Tensor lse = poisoned(DType::kF32, {t_n, h});
+        DenseMhaArgs a;
+        a.q_nope = qn_d.view();
+        a.q_pe = qp_d.view();
+        a.k_nope = kn_d.view();
+        a.k_pe = kp_d.view();
+        a.v = v_d.view();
+        a.cu_q = cq_d.view();
+        a.cu_kv = ck_d.view();
+        a.cu_q_host = cu_q.data();
+        a.cu_kv_host = cu_kv.data();
+        a.num_requests = 2;
+        a.sm_scale = 1.0 / std::sqrt(double(d_nope + kDr));
+        a.o = o.view();
+        a.lse = lse.view();
+        backend_->dense_mha(a);
+        const Tensor o_h = backend_->to_host(o.view()), lse_h = backend_->to_host(lse.view());
+        // The first request's rows: o then lse.
+        std::vector<uint8_t> bits(size_t(first) * h * (d_v * 2 + 4));
+        std::memcpy(bits.data(), o_h.ptr<uint8_t>(), size_t(first) * h * d_v * 2);
+        std::memcpy(bits.data() + size_t(first) * h * d_v * 2, lse_h.ptr<uint8_t>(),
+                    size_t(first) * h * 4);
+        const auto o_first = testing::to_double(o_h.view());
+        for (size_t i = 0; i < size_t(first) * h * d_v; ++i)
+          ASSERT_TRUE(std::isfinite(o_first[i])) << "o[" << i << "]";
+        clean_bits[poison_second] = std::move(bits);
+      }
+      EXPECT_EQ(clean_bits[0], clean_bits[1]) << "NaN after the first request changed its rows";
     }
-    const auto ref = reference::dense_attention(q, k, testing::to_double(v.view()), h, d_qk, c.d_v,
-                                                cu_q, cu_kv, a.sm_scale);
-    EXPECT_LE(testing::rel_l2(o_out, ref.o), testing::kTolBf16) << "o rel-L2";
-    EXPECT_LE(testing::max_abs_diff(lse_out, ref.lse), testing::kTolLse) << "lse";
-  }
 }
 
 TEST_F(CudaDenseMha, UnsupportedHeadDimsAreRejected) {

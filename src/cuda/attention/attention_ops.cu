@@ -7,17 +7,18 @@
 #include <vector>
 
 #include "dsakit/error.h"
+#include "src/cuda/attention/dense_mha_params.h"
+#include "src/cuda/attention/dense_mha_schedule.h"
 #include "src/cuda/attention/dispatch.h"
 #include "src/cuda/attention/merge_kernels.h"
 #include "src/cuda/attention/sparse_mla_params.h"
 #include "src/cuda/common/dispatch.h"
-#include "src/cuda/sm80/prefill/dense_mha/dense_mha_params.h"
-#include "src/cuda/sm80/prefill/dense_mha/dense_mha_schedule.h"
 
 namespace dsakit {
 namespace {
 
 using cuda::attention::dispatch_dense_mha_sm80;
+using cuda::attention::dispatch_dense_mha_sm90;
 using cuda::dense_mha::build_dense_schedule;
 using cuda::dense_mha::DenseSchedule;
 
@@ -50,14 +51,14 @@ bool sparse_mla_wgmma_reads(const KvPoolDesc& desc) {
   return desc.layout != KvLayout::kFp8Scaled || desc.scale_policy == ScalePolicy::kPow2;
 }
 
-SparseMlaKernel sparse_mla_kernel_for(const KvPoolDesc& desc, int64_t num_heads) {
+AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc, int64_t num_heads) {
   const bool compiled = cuda::attention::dispatch_sparse_mla_sm90(desc.layout, [](auto) {});
   const bool faster = desc.layout != KvLayout::kFp8Scaled || num_heads > 16;
-  return compiled && sparse_mla_wgmma_reads(desc) && faster ? SparseMlaKernel::kWgmma
-                                                            : SparseMlaKernel::kMmaSync;
+  return compiled && sparse_mla_wgmma_reads(desc) && faster ? AttentionKernel::kWgmma
+                                                            : AttentionKernel::kMmaSync;
 }
 
-void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, SparseMlaKernel kernel) {
+void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, AttentionKernel kernel) {
   constexpr const char* kOp = "cuda sparse_mla";
   using namespace cuda::sparse_mla;
   require_bf16(a.q_abs, kOp, "q_abs");
@@ -97,9 +98,9 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, SparseMlaKerne
   DSAKIT_CHECK(desc.bytes_per_token() == kernel_pool_row_bytes(desc.layout), kInternal, kOp,
                ": pool rows of ", desc.bytes_per_token(), " B, the kernel reads ",
                kernel_pool_row_bytes(desc.layout), " B for layout ", to_string(desc.layout));
-  if (kernel == SparseMlaKernel::kAuto) kernel = sparse_mla_kernel_for(desc, num_heads);
+  if (kernel == AttentionKernel::kAuto) kernel = sparse_mla_kernel_for(desc, num_heads);
   cudaError_t status = cudaSuccess;
-  if (kernel == SparseMlaKernel::kWgmma) {
+  if (kernel == AttentionKernel::kWgmma) {
     DSAKIT_CHECK(sparse_mla_wgmma_reads(desc), kUnsupported, kOp,
                  ": the wgmma kernel reads 656-byte fp8 pools with pow2 scales only (it widens "
                  "code x scale to bf16, exact for powers of two); this pool's scale policy is ",
@@ -122,8 +123,26 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, SparseMlaKerne
   check_cuda(status, "cuda sparse_mla launch");
 }
 
+bool dense_mha_wgmma_reads(const DenseMhaArgs& a) {
+  const int d_nope = int(a.q_nope.shape[2]), d_rope = int(a.q_pe.shape[2]), d_v = int(a.v.shape[2]);
+  if (!cuda::attention::dispatch_dense_mha_sm90(d_nope, d_rope, d_v, [](auto, auto, auto) {}))
+    return false;
+  const auto aligned = [](const TensorView& t) {
+    return reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+  };
+  // Row and head strides in elements: TMA steps in multiples of 16 bytes.
+  const bool strides_ok = a.k_nope.stride[0] % 8 == 0 && a.k_nope.stride[1] % 8 == 0 &&
+                          a.v.stride[0] % 8 == 0 && a.v.stride[1] % 8 == 0;
+  return strides_ok && aligned(a.q_nope) && aligned(a.q_pe) && aligned(a.k_nope) &&
+         aligned(a.k_pe) && aligned(a.v);
+}
+
+AttentionKernel dense_mha_kernel_for(const DenseMhaArgs& a) {
+  return dense_mha_wgmma_reads(a) ? AttentionKernel::kWgmma : AttentionKernel::kMmaSync;
+}
+
 void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
-                    const std::function<void*(size_t)>& scratch) {
+                    const std::function<void*(size_t)>& scratch, AttentionKernel kernel) {
   constexpr const char* kOp = "cuda dense_mha";
   using namespace cuda::dense_mha;
   require_bf16(a.q_nope, kOp, "q_nope");
@@ -141,27 +160,46 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   DSAKIT_CHECK(num_kv <= INT32_MAX, kUnsupported, kOp, ": ", num_kv,
                " kv rows; the CUDA kernel supports up to 2^31 - 1");
 
-  if (num_heads == 0 || a.num_requests == 0 || a.cu_q_host[a.num_requests] == 0) return;
-
   // The requested head dims need a kernel; none -> kUnsupported before any allocation.
-  DSAKIT_CHECK(dispatch_dense_mha_sm80(d_nope, d_rope, d_v, [](auto, auto, auto) {}), kUnsupported,
-               kOp, ": requires (d_nope, d_rope, d_v) = (", d_nope, ", ", d_rope, ", ", d_v,
-               "); the CUDA kernels support ", cuda::attention::dense_mha_sm80_supported());
+  if (kernel == AttentionKernel::kAuto) kernel = dense_mha_kernel_for(a);
+  const bool wgmma = kernel == AttentionKernel::kWgmma;
+  if (wgmma) {
+    DSAKIT_CHECK(dense_mha_wgmma_reads(a), kUnsupported, kOp,
+                 ": the wgmma kernel requires (d_nope, d_rope, d_v) in ",
+                 cuda::attention::dense_mha_sm90_supported(),
+                 " and 16-byte aligned operands with row / head strides in multiples of 8 "
+                 "elements; got (",
+                 d_nope, ", ", d_rope, ", ", d_v, "): use the mma.sync kernel (sm80)");
+  } else {
+    DSAKIT_CHECK(dispatch_dense_mha_sm80(d_nope, d_rope, d_v, [](auto, auto, auto) {}),
+                 kUnsupported, kOp, ": requires (d_nope, d_rope, d_v) = (", d_nope, ", ", d_rope,
+                 ", ", d_v, "); the CUDA kernels support ",
+                 cuda::attention::dense_mha_sm80_supported());
+  }
+  if (num_heads == 0 || a.num_requests == 0 || a.cu_q_host[a.num_requests] == 0) return;
 
   // Split-KV partials (f32 o + lse per row and slot) stay within their budget, which the
   // backend reports in dense_mha_scratch_bytes.
   const DenseSchedule schedule = build_dense_schedule(
       a.cu_q_host, a.cu_kv_host, a.num_requests, num_heads, sm_count, 4 * int64_t(d_v + 1),
-      dense_partials_budget_bytes(num_kv, num_heads, d_nope, d_v));
+      dense_partials_budget_bytes(num_kv, num_heads, d_nope, d_v),
+      wgmma ? dense_sm90_shape(d_v) : kDenseSm80Shape);
   const std::vector<DenseTile>& tiles = schedule.tiles;
-  // A grid that leaves SMs idle with d_v = 256 (GLM-5) runs two CTAs per (tile, head), 128 V
-  // columns each (the d_v = 128 instance): both compute S, each does half the P·V work and
-  // loads half of V, and together they fill twice as many SMs.
-  const int v_slices = d_v == 256 && int64_t(tiles.size()) * num_heads < sm_count ? 2 : 1;
+  // mma.sync: a grid that leaves SMs idle with d_v = 256 (GLM-5) runs two CTAs per (tile,
+  // head), 128 V columns each (the d_v = 128 instance): both compute S, each does half the P·V
+  // work and loads half of V, and together they fill twice as many SMs.
+  const int v_slices = !wgmma && d_v == 256 && int64_t(tiles.size()) * num_heads < sm_count ? 2 : 1;
   cudaError_t (*launch)(const DenseMhaParams&, cudaStream_t) = nullptr;
-  dispatch_dense_mha_sm80(d_nope, d_rope, d_v / v_slices, [&](auto nope, auto rope, auto v) {
-    launch = &run_dense_mha<decltype(nope)::value, decltype(rope)::value, decltype(v)::value>;
-  });
+  if (wgmma) {
+    dispatch_dense_mha_sm90(d_nope, d_rope, d_v, [&](auto nope, auto rope, auto v) {
+      launch =
+          &run_dense_mha_sm90<decltype(nope)::value, decltype(rope)::value, decltype(v)::value>;
+    });
+  } else {
+    dispatch_dense_mha_sm80(d_nope, d_rope, d_v / v_slices, [&](auto nope, auto rope, auto v) {
+      launch = &run_dense_mha<decltype(nope)::value, decltype(rope)::value, decltype(v)::value>;
+    });
+  }
   DSAKIT_CHECK(launch != nullptr, kInternal, kOp, ": no instance for d_v slices of ",
                d_v / v_slices);
   const int64_t num_tokens = a.q_nope.shape[0];
@@ -179,6 +217,7 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   params.o = a.o.ptr<bf16_t>();
   params.lse = a.lse.ptr<float>();
   params.rows = num_tokens * num_heads;
+  params.num_kv = num_kv;
   params.num_tiles = int(tiles.size());
   params.num_heads = int(num_heads);
   params.v_slices = v_slices;

@@ -14,8 +14,9 @@
 
 namespace dsakit {
 
-// Which sparse MLA kernel runs: kAuto lets sparse_mla_kernel_for() choose per call.
-enum class SparseMlaKernel { kAuto, kMmaSync, kWgmma };
+// Which attention kernel runs: the mma.sync one (src/cuda/sm80/), the wgmma one
+// (src/cuda/sm90/), or kAuto: sparse_mla_kernel_for() / dense_mha_kernel_for() choose per call.
+enum class AttentionKernel { kAuto, kMmaSync, kWgmma };
 
 // Whether the wgmma kernel computes this pool's function: it widens each fp8 value to
 // bf16(code · scale) in shared memory, which is exact for bf16 and fp8-raw pools (raw codes;
@@ -27,22 +28,31 @@ bool sparse_mla_wgmma_reads(const KvPoolDesc& desc);
 // The kernel kAuto runs for a pool and head count (measured on the H200, docs/perf.md): the
 // wgmma kernel where it has an instance (instances.h) and reads the pool exactly, except for
 // 656-byte pools with H <= 16, where the mma.sync kernel's 16-head groups are faster.
-SparseMlaKernel sparse_mla_kernel_for(const KvPoolDesc& desc, int64_t num_heads);
+AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc, int64_t num_heads);
 
 // Sparse MLA (docs/design.md, "Sparse MLA"), prefill and decode: q_abs / q_pe / o_lat bf16, d_c
 // 512, d_rope 64, H in [1, 128], any top-k, pool layouts bf16 | fp8 | fp8-raw read by location.
 // `kernel` other than kAuto forces that kernel (kUnsupported where it has no instance).
 void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream,
-                     SparseMlaKernel kernel = SparseMlaKernel::kAuto);
+                     AttentionKernel kernel = AttentionKernel::kAuto);
+
+// Whether the wgmma dense kernel can run these arguments: an instance for the head dims
+// (instances.h) and operands TMA can address (16-byte aligned bases and row / head strides).
+bool dense_mha_wgmma_reads(const DenseMhaArgs& args);
+
+// The kernel kAuto runs: the wgmma one wherever it can (dense_mha_wgmma_reads), else mma.sync.
+AttentionKernel dense_mha_kernel_for(const DenseMhaArgs& args);
 
 // Dense MHA prefill (docs/design.md, "Dense MHA"): bf16, (d_nope, d_rope, d_v) in {(128, 64, 128),
 // (192, 64, 128), (192, 64, 256)}, varlen causal with prefix; the tile schedule comes from
 // cu_q_host / cu_kv_host. Grids smaller than the device's `sm_count` split long tiles' kv blocks
 // over several CTAs and merge the partial results (merge_partials). `scratch(bytes)` returns
 // stream-ordered device memory that stays valid until the call returns (the backend's arena: no
-// allocation once warm), for a long tile schedule and the split partials.
+// allocation once warm), for a long tile schedule and the split partials. `kernel` other than
+// kAuto forces that kernel (kUnsupported where it cannot run these arguments).
 void cuda_dense_mha(const DenseMhaArgs& args, int sm_count, cudaStream_t stream,
-                    const std::function<void*(size_t)>& scratch);
+                    const std::function<void*(size_t)>& scratch,
+                    AttentionKernel kernel = AttentionKernel::kAuto);
 // Upper bound of the bytes cuda_dense_mha takes from `scratch` for these shapes.
 int64_t cuda_dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope, int d_v,
                                      int sm_count);

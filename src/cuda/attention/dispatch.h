@@ -44,16 +44,23 @@ bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
   return false;
 }
 
-template <typename F>
-bool dispatch_dense_mha_sm80(int d_nope, int d_rope, int d_v, F&& f) {
-#define DSAKIT_X(kNope, kRope, kV)                                                \
+// One dense MHA row: (d_nope, d_rope, d_v) -> f(integral constants).
+#define DSAKIT_X_DENSE_MHA(kNope, kRope, kV)                                      \
   if (d_nope == kNope && d_rope == kRope && d_v == kV) {                          \
     f(std::integral_constant<int, kNope>{}, std::integral_constant<int, kRope>{}, \
       std::integral_constant<int, kV>{});                                         \
     return true;                                                                  \
   }
-  DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X)
-#undef DSAKIT_X
+
+template <typename F>
+bool dispatch_dense_mha_sm80(int d_nope, int d_rope, int d_v, F&& f) {
+  DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X_DENSE_MHA)
+  return false;
+}
+
+template <typename F>
+bool dispatch_dense_mha_sm90(int d_nope, int d_rope, int d_v, F&& f) {
+  DSAKIT_DENSE_MHA_SM90_INSTANCES(DSAKIT_X_DENSE_MHA)
   return false;
 }
 
@@ -98,13 +105,20 @@ inline std::string indexer_logits_sm90_supported() {
   return rows;
 }
 
+#define DSAKIT_X_DENSE_MHA_ROW(kNope, kRope, kV) \
+  rows += std::string(rows.empty() ? "" : ", ") + "(" #kNope ", " #kRope ", " #kV ")";
 inline std::string dense_mha_sm80_supported() {
   std::string rows;
-#define DSAKIT_X(kNope, kRope, kV) \
-  rows += std::string(rows.empty() ? "" : ", ") + "(" #kNope ", " #kRope ", " #kV ")";
-  DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X)
-#undef DSAKIT_X
+  DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X_DENSE_MHA_ROW)
   return rows;
 }
+inline std::string dense_mha_sm90_supported() {
+  std::string rows;
+  DSAKIT_DENSE_MHA_SM90_INSTANCES(DSAKIT_X_DENSE_MHA_ROW)
+  return rows;
+}
+#undef DSAKIT_X_DENSE_MHA_ROW
+
+#undef DSAKIT_X_DENSE_MHA
 
 }  // namespace dsakit::cuda::attention

@@ -32,6 +32,11 @@
   X(192, 64, 128)                          \
   X(192, 64, 256)
 
+// Dense MHA, wgmma + TMA kernel (src/cuda/sm90/prefill/dense_mha/): X(d_nope, d_rope, d_v).
+#define DSAKIT_DENSE_MHA_SM90_INSTANCES(X) \
+  X(128, 64, 128)                          \
+  X(192, 64, 256)
+
 // Indexer logits, wgmma e4m3 kernel (src/cuda/sm90/indexer/): X(h_i).
 #define DSAKIT_INDEXER_LOGITS_SM90_INSTANCES(X) \
   X(64)                                         \

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks of the Hopper-native kernels (src/cuda/sm90/): mbarriers,
 // named barriers, register reallocation, the async-proxy fence, cp.async completion on an
-// mbarrier, stmatrix, and warpgroup MMA (wgmma, bf16 and e4m3) with shared-memory matrix
-// descriptors.
+// mbarrier, TMA tile loads, stmatrix, and warpgroup MMA (wgmma, bf16 and e4m3) with shared-memory
+// matrix descriptors.
 //
 // wgmma conventions (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
 //  * one warpgroup (4 consecutive warps, the first a multiple of 4) issues each instruction;
@@ -67,6 +67,37 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t phase) {
       "@!done bra wait_%=;\n}\n" ::"r"(bar),
       "r"(phase)
       : "memory");
+}
+
+// One arrival that also expects `bytes` more of asynchronous (TMA) transactions this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+
+// ---- TMA (tensor maps built on the host: src/cuda/common/tma.h) -----------------------------
+// One box of `tensor_map` at coordinates (c0 innermost, c1[, c2]) into shared memory at `dst`
+// (aligned as the map's swizzle requires: 1024 bytes for 128-byte swizzle); completion
+// counts its bytes on `bar`. Elements outside the tensor arrive as zeros and count too.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tensor_map, uint32_t bar,
+                                            int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tensor_map, uint32_t bar,
+                                            int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+      "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
 }
 
 // ---- named barriers (ids 1..15; 0 is __syncthreads) -----------------------------------------
@@ -212,6 +243,32 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
   "+f"(d[o + 56]), "+f"(d[o + 57]), "+f"(d[o + 58]), "+f"(d[o + 59]), \
   "+f"(d[o + 60]), "+f"(d[o + 61]), "+f"(d[o + 62]), "+f"(d[o + 63])
 #define DSAKIT_WGMMA_F32X128(d) DSAKIT_WGMMA_F32X64_AT(d, 0), DSAKIT_WGMMA_F32X64_AT(d, 64)
+
+// d[64 x 128] (+)= A[64 x 16] · B[16 x 128], A and B from shared memory (descriptors);
+// kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.
+template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                  int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+      : DSAKIT_WGMMA_F32X64_AT(d, 0)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+}
+
+// d[64 x 128] (+)= A[64 x 16] · B[16 x 128], A from registers (the m64n16 accumulator layout of
+// bf16 pairs), B from shared memory; kTransB: B is MN-major. scale_d == 0 overwrites d.
+template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4],
+                                                  uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      : DSAKIT_WGMMA_F32X64_AT(d, 0)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+}
 
 // d[64 x 256] (+)= A[64 x 16] · B[16 x 256], A and B from shared memory (descriptors);
 // kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.

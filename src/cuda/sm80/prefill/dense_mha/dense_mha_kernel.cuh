@@ -16,7 +16,7 @@
 
 #include "src/cuda/common/launch.h"
 #include "src/cuda/common/warp_mma.cuh"
-#include "src/cuda/sm80/prefill/dense_mha/dense_mha_params.h"
+#include "src/cuda/attention/dense_mha_params.h"
 
 namespace dsakit::cuda::dense_mha {
 

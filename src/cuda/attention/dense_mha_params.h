@@ -1,5 +1,7 @@
-// Parameters and launcher of the dense MHA prefill kernel (docs/design.md#dense-mha): varlen causal
-// attention with a cached prefix, K = [k_nope per head, k_pe shared by all heads], V per head.
+// Parameters and launchers of the dense MHA prefill kernels (docs/design.md#dense-mha): varlen
+// causal attention with a cached prefix, K = [k_nope per head, k_pe shared by all heads], V per
+// head. Two kernels take these parameters: the mma.sync one (src/cuda/sm80/prefill/dense_mha/)
+// and the wgmma + TMA one (src/cuda/sm90/prefill/dense_mha/); they differ in tile shape only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,20 +12,26 @@
 
 namespace dsakit::cuda::dense_mha {
 
-inline constexpr int kDenseBlockM = 64;  // query rows per tile
-inline constexpr int kDenseBlockN = 64;  // kv rows per block (the kernel's pipeline stage)
+// A kernel's tile shape: query rows per tile, kv rows per block (its pipeline stage), and the
+// CTAs one SM holds at once (the schedule's split-KV sizing).
+struct DenseTileShape {
+  int block_m, block_n, ctas_per_sm;
+};
+inline constexpr int kDenseBlockM = 64;  // the mma.sync kernel's query rows per tile
+inline constexpr int kDenseBlockN = 64;  // its kv rows per block
+inline constexpr DenseTileShape kDenseSm80Shape{kDenseBlockM, kDenseBlockN, 2};
 
 // One unit of work, built on the host from cu_q / cu_kv: query rows of one request against the
 // kv blocks [block_begin, block_end) of that request. Query row q_begin + i (0 <= i < q_len <=
-// 64) sees kv rows kv_begin + [0, first_query_pos + i]; blocks past its last visible row are
-// not read. Without split-KV a tile covers every block its rows see (part 0); with it, a row's
-// blocks are spread over several tiles, each writing partial slot `part`.
+// block_m) sees kv rows kv_begin + [0, first_query_pos + i]; blocks past its last visible row
+// are not read. Without split-KV a tile covers every block its rows see (part 0); with it, a
+// row's blocks are spread over several tiles, each writing partial slot `part`.
 struct DenseTile {
   int32_t q_begin;          // first query row (global, into q / o)
-  int32_t q_len;            // query rows in the tile, 1..64
+  int32_t q_len;            // query rows in the tile, 1..block_m
   int32_t kv_begin;         // cu_kv[r]
   int32_t first_query_pos;  // position of row q_begin in its request: L_r - E_r + i0
-  int32_t block_begin;      // first kv block (kDenseBlockN rows each) of this tile
+  int32_t block_begin;      // first kv block (block_n rows each) of this tile
   int32_t block_end;        // one past the last; may exceed the blocks the rows see
   int32_t part;             // partial slot when split (o_parts != null), else 0
   int32_t unused = 0;
@@ -49,6 +57,7 @@ struct DenseMhaParams {
   float* o_parts;          // [num_parts, T, H, d_v] or null
   float* lse_parts;        // [num_parts, T, H]
   int64_t rows;            // T * H: the slot stride of lse_parts (and of o_parts, x d_v)
+  int64_t num_kv;          // N: rows of k_nope, k_pe and v
   const DenseTile* tiles;  // [num_tiles] device copy of the schedule, or null: inline_tiles
   int num_tiles;
   int num_heads;  // H
@@ -61,13 +70,29 @@ struct DenseMhaParams {
   DenseTile inline_tiles[kDenseInlineTiles];  // the schedule when tiles == null
 };
 
-// Launches one CTA per (tile, head, V column slice). Returns the launch status.
+// mma.sync kernel: one CTA per (tile, head, V column slice), tiles of kDenseSm80Shape. Returns
+// the launch status.
 template <int kDimNope, int kDimRope, int kDimV>
 cudaError_t run_dense_mha(const DenseMhaParams& params, cudaStream_t stream);
 
+// wgmma kernel: one CTA per (tile, head), tiles of dense_sm90_shape(d_v), v_slices == 1.
+// Returns cudaErrorInvalidValue, launching nothing, when TMA cannot address the tensors
+// (make_tensor_map_bf16_sw128: 16-byte aligned bases and strides).
+template <int kDimNope, int kDimRope, int kDimV>
+cudaError_t run_dense_mha_sm90(const DenseMhaParams& params, cudaStream_t stream);
+
+// The wgmma kernel's tiles: 128 query rows (two consumer warpgroups of 64), kv blocks of 128
+// rows for d_v <= 128 and 64 for d_v = 256 (the O accumulator's registers), one CTA per SM.
+inline constexpr DenseTileShape dense_sm90_shape(int d_v) {
+  return {128, d_v <= 128 ? 128 : 64, 1};
+}
+
 }  // namespace dsakit::cuda::dense_mha
 
-// One row of DSAKIT_DENSE_MHA_SM80_INSTANCES (src/cuda/attention/instances.h).
+// One row of DSAKIT_DENSE_MHA_SM80_INSTANCES / _SM90_INSTANCES (src/cuda/attention/instances.h).
 #define DSAKIT_INSTANTIATE_DENSE_MHA_SM80(kDimNope, kDimRope, kDimV)                      \
   template cudaError_t dsakit::cuda::dense_mha::run_dense_mha<kDimNope, kDimRope, kDimV>( \
+      const dsakit::cuda::dense_mha::DenseMhaParams&, cudaStream_t);
+#define DSAKIT_INSTANTIATE_DENSE_MHA_SM90(kDimNope, kDimRope, kDimV)                           \
+  template cudaError_t dsakit::cuda::dense_mha::run_dense_mha_sm90<kDimNope, kDimRope, kDimV>( \
       const dsakit::cuda::dense_mha::DenseMhaParams&, cudaStream_t);

@@ -1,0 +1,427 @@
+// Dense MHA prefill on Hopper (wgmma + TMA, warp-specialized), bf16 in / fp32 accumulate.
+//
+// One CTA of three warpgroups per (head, tile); a tile is <= 128 query rows of one request and a
+// range of its kv blocks (DenseTile, dense_sm90_shape(d_v): blocks of kBlockN rows).
+//
+//   WG2 (producer; one warp works): Q of the tile once, then per kv block its K tile
+//     [k_nope of this head | k_pe shared by all heads] and its V tile, by TMA into a ring of
+//     kStages stages (K and V with their own full / empty mbarriers). The tile's last block may
+//     reach past the rows its last query sees (later positions of the request, the next request,
+//     or the tensor's end, which TMA reads as zeros): those V rows are zeroed before the block is
+//     released, so P = 0 there multiplies zeros, never another row's NaN or Inf.
+//   WG0 / WG1 (consumers): WG w owns query rows [64w, 64w + 64) of the tile and visits the kv
+//     blocks those rows see. Per block b:
+//       S = Q_w · K_bᵀ                  (64 x kBlockN, wgmma from shared memory, K = d_qk)
+//       P = exp2(S · sm_scale · log2 e − m), the online max m and sum l per row (registers)
+//       O = O · alpha + P · V_b          (64 x d_v, P from registers as bf16)
+//     S of block b + 1 is issued before P·V of block b, and its softmax runs while P·V does:
+//     only the O rescale waits for it.
+//
+// Shared memory (tiles are [rows][64 bf16] with the 128-byte swizzle, 1024-byte aligned):
+//   Q  [d_qk / 64 tiles of 128 rows]             k_nope tiles, then k_pe
+//   K  [kStages][d_qk / 64 tiles of kBlockN rows]
+//   V  [kStages][d_v / 64 tiles of kBlockN rows]
+//   mbarriers: q_full, k_full[s], k_empty[s], v_full[s], v_empty[s], v_staged[s]
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "src/cuda/attention/dense_mha_params.h"
+#include "src/cuda/common/hopper.cuh"
+#include "src/cuda/common/launch.h"
+#include "src/cuda/common/tma.h"
+#include "src/cuda/common/warp_mma.cuh"
+
+namespace dsakit::cuda::dense_mha {
+
+// The launch parameters: the shared ones and the TMA maps of the five operands.
+struct DenseMhaSm90Params {
+  CUtensorMap q_nope;  // [T, H, d_nope] boxes [128 rows][1 head][64]
+  CUtensorMap q_pe;    // [T, H, d_rope] the same boxes
+  CUtensorMap k_nope;  // [N, H, d_nope] (strided) boxes [kBlockN rows][1 head][64]
+  CUtensorMap k_pe;    // [N, d_rope]    boxes [kBlockN rows][64]
+  CUtensorMap v;       // [N, H, d_v]    (strided) boxes [kBlockN rows][1 head][64]
+  DenseMhaParams p;
+};
+
+template <int kDimNope, int kDimRope, int kDimV>
+struct DenseSm90Traits {
+  static constexpr DenseTileShape kShape = dense_sm90_shape(kDimV);
+  static constexpr int kBlockM = kShape.block_m;  // query rows per CTA
+  static constexpr int kWgRows = 64;              // query rows per consumer warpgroup
+  static constexpr int kBlockN = kShape.block_n;  // kv rows per block
+  static constexpr int kDimQk = kDimNope + kDimRope;
+  static constexpr int kNopeTiles = kDimNope / 64, kQkTiles = kDimQk / 64, kVTiles = kDimV / 64;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static_assert(kDimNope % 64 == 0 && kDimRope % 64 == 0 && kDimV % 64 == 0);
+  static_assert(kBlockM == 2 * kWgRows && (kBlockN == 64 || kBlockN == 128));
+  static_assert(kDimV == 128 || kDimV == 256, "P·V is one m64n128 or m64n256 wgmma per k16");
+
+  static constexpr int kQTileBytes = kBlockM * 128;
+  static constexpr int kKvTileBytes = kBlockN * 128;
+  static constexpr int kQBytes = kQkTiles * kQTileBytes;
+  static constexpr int kKStageBytes = kQkTiles * kKvTileBytes;
+  static constexpr int kVStageBytes = kVTiles * kKvTileBytes;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kQBytes;
+  static constexpr int kV = kK + kStages * kKStageBytes;
+  static constexpr int kBars = kV + kStages * kVStageBytes;
+  static constexpr int kBarQ = kBars;
+  static constexpr int kBarKFull = kBarQ + 8;  // + 8 * stage, likewise below
+  static constexpr int kBarKEmpty = kBarKFull + 8 * kStages;
+  static constexpr int kBarVFull = kBarKEmpty + 8 * kStages;
+  static constexpr int kBarVEmpty = kBarVFull + 8 * kStages;
+  static constexpr int kBarVStaged = kBarVEmpty + 8 * kStages;
+  static constexpr int kSmemBytes = kBarVStaged + 8 * kStages;
+  static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
+
+  // setmaxnreg moves registers within the launch allocation (168 x 384 under
+  // __launch_bounds__(384, 1)).
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 40;
+  static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= 168 * kThreads);
+};
+
+// S[64 x kN] = Q_w · Kᵀ over kTiles column tiles: Q rows from `q` (a tile of kQRows rows, this
+// group's 64 starting at byte q_row_offset), K rows from `k` (tiles of kN rows).
+template <int kN, int kTiles, int kQTileBytes, int kKTileBytes>
+__device__ __forceinline__ void issue_qk(float (&s)[kN / 2], uint32_t q, uint32_t k) {
+  const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
+  const uint64_t dk = sm90::smem_desc_sw128(k, 16, 1024);
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t oq = uint64_t(tile * kQTileBytes + ks * 32) >> 4;
+      const uint64_t ok = uint64_t(tile * kKTileBytes + ks * 32) >> 4;
+      if constexpr (kN == 128)
+        sm90::wgmma_m64n128k16_ss<0>(s, dq + oq, dk + ok, tile > 0 || ks > 0);
+      else
+        sm90::wgmma_m64n64k16_ss<0>(s, dq + oq, dk + ok, tile > 0 || ks > 0);
+    }
+}
+
+// O[64 x kDimV] += P · V: P from registers (a[ks]: kv rows 16 ks ..), V tiles of kKTileBytes
+// (kv rows) x 64 columns, MN-major.
+template <int kDimV, int kKSteps, int kKTileBytes>
+__device__ __forceinline__ void issue_pv(float (&o)[kDimV / 2], const uint32_t (&a)[kKSteps][4],
+                                         uint32_t v) {
+  const uint64_t dv = sm90::smem_desc_sw128(v, kKTileBytes, 1024);
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    const uint64_t offset = uint64_t(ks * 16 * 128) >> 4;
+    if constexpr (kDimV == 128)
+      sm90::wgmma_m64n128k16_rs<1>(o, a[ks], dv + offset, 1);
+    else
+      sm90::wgmma_m64n256k16_rs<1>(o, a[ks], dv + offset, 1);
+  }
+}
+
+template <int kDimNope, int kDimRope, int kDimV>
+__global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kThreads, 1)
+    dense_mha_sm90_kernel(const __grid_constant__ DenseMhaSm90Params params) {
+  using Tr = DenseSm90Traits<kDimNope, kDimRope, kDimV>;
+  constexpr int kN = Tr::kBlockN, kStages = Tr::kStages;
+  const DenseMhaParams& p = params.p;
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t base = smem_addr(smem);
+  const uint32_t q_tiles = base + Tr::kQ, k_tiles = base + Tr::kK, v_tiles = base + Tr::kV;
+  const uint32_t bar_q = base + Tr::kBarQ;
+  const auto bar = [&](int offset, int stage) { return base + offset + 8 * stage; };
+
+  // Head-major: the CTAs in flight at once are mostly one head's tiles, which read the same
+  // K / V rows (L2 hits); within a head the schedule's order (heaviest first).
+  const int h = int(blockIdx.x / unsigned(p.num_tiles));
+  const int tile_index = int(blockIdx.x % unsigned(p.num_tiles));
+  const DenseTile tile = p.tiles != nullptr ? p.tiles[tile_index] : p.inline_tiles[tile_index];
+  const int kv_len = tile.first_query_pos + tile.q_len;  // rows the tile's last query sees
+  const int block_begin = tile.block_begin;
+  const int block_end = max(block_begin, min(tile.block_end, (kv_len + kN - 1) / kN));
+
+  if (threadIdx.x == 0) {
+    sm90::mbarrier_init(bar_q, 1);
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbarrier_init(bar(Tr::kBarKFull, s), 1);
+      sm90::mbarrier_init(bar(Tr::kBarKEmpty, s), 256);
+      sm90::mbarrier_init(bar(Tr::kBarVFull, s), 1);
+      sm90::mbarrier_init(bar(Tr::kBarVEmpty, s), 256);
+      sm90::mbarrier_init(bar(Tr::kBarVStaged, s), 1);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), wtid = threadIdx.x % 128;
+  if (wg == 2) {
+    // ---- producer ----------------------------------------------------------------------------
+    sm90::setmaxnreg_dec<Tr::kProducerRegs>();
+    if (wtid >= 32 || block_begin == block_end) return;
+    const int lane = wtid;
+    if (lane == 0) {
+      sm90::prefetch_tensor_map(&params.k_nope);
+      sm90::prefetch_tensor_map(&params.k_pe);
+      sm90::prefetch_tensor_map(&params.v);
+      sm90::mbarrier_arrive_expect_tx(bar_q, Tr::kQBytes);
+#pragma unroll
+      for (int c = 0; c < Tr::kQkTiles; ++c) {
+        const uint32_t dst = q_tiles + c * Tr::kQTileBytes;
+        if (c < Tr::kNopeTiles)
+          sm90::tma_load_3d(dst, &params.q_nope, bar_q, 64 * c, h, tile.q_begin);
+        else
+          sm90::tma_load_3d(dst, &params.q_pe, bar_q, 64 * (c - Tr::kNopeTiles), h, tile.q_begin);
+      }
+    }
+    for (int i = 0; block_begin + i < block_end; ++i) {
+      const int b = block_begin + i, stage = i % kStages;
+      const uint32_t free_phase = ((i / kStages) & 1) ^ 1;
+      const int row0 = tile.kv_begin + b * kN;
+      const int ok_rows = kv_len - b * kN;  // >= 1
+      if (lane == 0) {
+        const uint32_t k = k_tiles + stage * Tr::kKStageBytes, k_full = bar(Tr::kBarKFull, stage);
+        sm90::mbarrier_wait(bar(Tr::kBarKEmpty, stage), free_phase);
+        sm90::mbarrier_arrive_expect_tx(k_full, Tr::kKStageBytes);
+#pragma unroll
+        for (int c = 0; c < Tr::kQkTiles; ++c) {
+          const uint32_t dst = k + c * Tr::kKvTileBytes;
+          if (c < Tr::kNopeTiles)
+            sm90::tma_load_3d(dst, &params.k_nope, k_full, 64 * c, h, row0);
+          else
+            sm90::tma_load_2d(dst, &params.k_pe, k_full, 64 * (c - Tr::kNopeTiles), row0);
+        }
+      }
+      // V lands on v_full, or, for a block reaching past the tile's last visible row (its
+      // last block: at most once per CTA, so v_staged's phase is 0), on v_staged first.
+      const bool whole = ok_rows >= kN;
+      const uint32_t v = v_tiles + stage * Tr::kVStageBytes;
+      const uint32_t v_full = bar(Tr::kBarVFull, stage), v_staged = bar(Tr::kBarVStaged, stage);
+      if (lane == 0) {
+        const uint32_t v_bar = whole ? v_full : v_staged;
+        sm90::mbarrier_wait(bar(Tr::kBarVEmpty, stage), free_phase);
+        sm90::mbarrier_arrive_expect_tx(v_bar, Tr::kVStageBytes);
+#pragma unroll
+        for (int c = 0; c < Tr::kVTiles; ++c)
+          sm90::tma_load_3d(v + c * Tr::kKvTileBytes, &params.v, v_bar, 64 * c, h, row0);
+      }
+      if (!whole) {
+        sm90::mbarrier_wait(v_staged, 0);
+        // Rows [ok_rows, kN) of every V tile: 8 chunks of 16 bytes per row (the swizzle only
+        // permutes chunks within a row).
+        const int zero_chunks = Tr::kVTiles * (kN - ok_rows) * 8;
+        for (int idx = lane; idx < zero_chunks; idx += 32) {
+          const int chunk = idx % 8, rest = idx / 8;
+          const int row = ok_rows + rest % (kN - ok_rows), c = rest / (kN - ok_rows);
+          sm90::st_shared_u32x4(v + c * Tr::kKvTileBytes + row * 128 + chunk * 16,
+                                make_uint4(0, 0, 0, 0));
+        }
+        sm90::fence_proxy_async_shared();
+        __syncwarp();
+        if (lane == 0) sm90::mbarrier_arrive(v_full);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------------------------
+  sm90::setmaxnreg_inc<Tr::kConsumerRegs>();
+  const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
+  const int row_base = Tr::kWgRows * wg;      // this group's first row in the tile
+  const int row0 = row_base + 16 * warp + g;  // this thread's rows: row0, row0 + 8
+  // Blocks this group's rows see: [block_begin, my_end); the CTA's later blocks it only
+  // releases.
+  const int my_rows = max(0, min(tile.q_len - row_base, Tr::kWgRows));
+  const int my_end =
+      my_rows == 0 ? block_begin
+                   : max(block_begin,
+                         min(block_end, (tile.first_query_pos + row_base + my_rows + kN - 1) / kN));
+  const int my_blocks = my_end - block_begin;
+  const int num_blocks = block_end - block_begin;
+  const int limit[2] = {tile.first_query_pos + row0, tile.first_query_pos + row0 + 8};
+  const float scale_log2 = p.sm_scale * kLog2e;
+
+  float o[kDimV / 2];
+#pragma unroll
+  for (int i = 0; i < kDimV / 2; ++i) o[i] = 0.f;
+  float s[kN / 2];
+  float m[2] = {-INFINITY, -INFINITY};  // running max, log2 domain
+  float l[2] = {0.f, 0.f};              // running sum of this thread's columns
+  uint32_t a[kN / 16][4];
+
+  const auto stage_of = [](int i) { return i % kStages; };
+  const auto phase_of = [](int i) { return uint32_t((i / kStages) & 1); };
+  const auto issue_s = [&](int i) {
+    const int stage = stage_of(i);
+    sm90::mbarrier_wait(bar(Tr::kBarKFull, stage), phase_of(i));
+    sm90::fence_operands(s);
+    sm90::wgmma_fence();
+    issue_qk<kN, Tr::kQkTiles, Tr::kQTileBytes, Tr::kKvTileBytes>(
+        s, q_tiles + row_base * 128, k_tiles + stage * Tr::kKStageBytes);
+    sm90::wgmma_commit();
+  };
+  // Mask of block b (causal: kv position n visible to row r iff n <= limit[r]), online softmax:
+  // s becomes P (fp32), m and l move on; returns alpha, the factor O must be rescaled by.
+  const auto softmax = [&](int b, float(&alpha)[2]) {
+    const int n0 = b * kN;
+    const bool needs_mask = n0 + kN - 1 > tile.first_query_pos + row_base;
+    float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = n0 + 8 * j + 2 * q + (e & 1);
+        float& x = s[4 * j + e];
+        if (needs_mask && pos > limit[e >> 1]) x = -INFINITY;
+        block_max[e >> 1] = fmaxf(block_max[e >> 1], x);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m[r], quad_max(block_max[r]) * scale_log2);
+      const float offset = softmax_offset(m_new);
+      alpha[r] = exp2_approx(m[r] - offset);
+      m[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * r + e];
+          x = exp2_approx(fmaf(x, scale_log2, -offset));
+          sum += x;
+        }
+      l[r] = l[r] * alpha[r] + sum;
+    }
+  };
+
+  if (my_blocks > 0) {
+    sm90::mbarrier_wait(bar_q, 0);
+    issue_s(0);
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(s);
+    sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, 0));
+    float alpha[2];
+    softmax(block_begin, alpha);
+  }
+  // Block i of this group: P_i (in s) to bf16, S_(i+1) issued when kNext, P_i·V_i, the softmax
+  // of S_(i+1) while P_i·V_i runs, then the O rescale. Straight-line code per kNext: a branch
+  // between a wgmma's issue and its wait makes ptxas serialize the pipeline.
+  const auto block_step = [&](int i, auto has_next) {
+    constexpr bool kNext = decltype(has_next)::value;
+#pragma unroll
+    for (int ks = 0; ks < kN / 16; ++ks)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[ks][e] = pack_bf16x2(s[8 * ks + 2 * e], s[8 * ks + 2 * e + 1]);
+    if constexpr (kNext) issue_s(i + 1);
+    sm90::mbarrier_wait(bar(Tr::kBarVFull, stage_of(i)), phase_of(i));
+    sm90::fence_operands(o);
+    if constexpr (!kNext) sm90::wgmma_fence();
+    issue_pv<kDimV, kN / 16, Tr::kKvTileBytes>(o, a, v_tiles + stage_of(i) * Tr::kVStageBytes);
+    sm90::wgmma_commit();
+    float alpha[2] = {1.f, 1.f};
+    if constexpr (kNext) {
+      sm90::wgmma_wait<1>();
+      sm90::fence_operands(s);
+      sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(i + 1)));
+      softmax(block_begin + i + 1, alpha);
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(o);
+    sm90::fence_operands(a);
+    sm90::mbarrier_arrive(bar(Tr::kBarVEmpty, stage_of(i)));
+    if constexpr (kNext) {
+#pragma unroll
+      for (int j = 0; j < kDimV / 8; ++j) {
+        o[4 * j + 0] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    }
+  };
+  for (int i = 0; i + 1 < my_blocks; ++i) block_step(i, std::true_type{});
+  if (my_blocks > 0) block_step(my_blocks - 1, std::false_type{});
+  // The CTA's blocks past this group's rows: released once they have landed.
+  for (int i = my_blocks; i < num_blocks; ++i) {
+    sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(i)), phase_of(i));
+    sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(i)));
+    sm90::mbarrier_wait(bar(Tr::kBarVFull, stage_of(i)), phase_of(i));
+    sm90::mbarrier_arrive(bar(Tr::kBarVEmpty, stage_of(i)));
+  }
+
+  // ---- epilogue -----------------------------------------------------------------------------
+  const int64_t H = p.num_heads;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    // l >= 1 when the tile covers all of the row's blocks (every query sees its own key); a
+    // split may hold none of the row's keys (l = 0: lse +inf, o 0). NaN inputs keep l NaN.
+    const float sum = quad_sum(l[r]);
+    const int row = row0 + 8 * r;
+    if (row >= tile.q_len) continue;
+    const bool no_key = sum == 0.f;
+    const float inv = no_key ? 0.f : 1.f / sum;
+    const float lse = no_key ? INFINITY : (m[r] + log2f(sum)) * kLn2;
+    const int64_t out_row = (int64_t(tile.q_begin) + row) * H + h;
+    if (p.o_parts == nullptr) {
+      bf16_t* out = p.o + out_row * kDimV + 2 * q;
+#pragma unroll
+      for (int j = 0; j < kDimV / 8; ++j)
+        *reinterpret_cast<uint32_t*>(out + 8 * j) =
+            pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      if (q == 0) p.lse[out_row] = lse;
+    } else {
+      // merge_partials skips a slot with lse +inf without reading its o: none is written.
+      const int64_t slot_row = int64_t(tile.part) * p.rows + out_row;
+      if (q == 0) p.lse_parts[slot_row] = lse;
+      if (no_key) continue;
+      float* out = p.o_parts + slot_row * kDimV + 2 * q;
+#pragma unroll
+      for (int j = 0; j < kDimV / 8; ++j)
+        *reinterpret_cast<float2*>(out + 8 * j) =
+            make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+  }
+}
+
+template <int kDimNope, int kDimRope, int kDimV>
+cudaError_t run_dense_mha_sm90(const DenseMhaParams& p, cudaStream_t stream) {
+  using Tr = DenseSm90Traits<kDimNope, kDimRope, kDimV>;
+  if (p.num_tiles == 0 || p.num_heads == 0) return cudaSuccess;
+  if (p.v_slices != 1 || p.d_v_total != kDimV) return cudaErrorInvalidValue;
+  const int64_t num_ctas = int64_t(p.num_tiles) * p.num_heads;
+  if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
+  DenseMhaSm90Params params{};
+  params.p = p;
+  const uint64_t H = uint64_t(p.num_heads), T = uint64_t(p.rows) / H, N = uint64_t(p.num_kv);
+  const uint32_t q_box[3] = {64, 1, uint32_t(Tr::kBlockM)};
+  const uint32_t kv_box[3] = {64, 1, uint32_t(Tr::kBlockN)};
+  const uint32_t pe_box[2] = {64, uint32_t(Tr::kBlockN)};
+  const auto map3 = [](CUtensorMap* map, const void* ptr, uint64_t d, uint64_t heads, uint64_t rows,
+                       int64_t head_stride, int64_t row_stride, const uint32_t* box) {
+    const uint64_t dims[3] = {d, heads, rows};
+    const uint64_t strides[2] = {uint64_t(head_stride) * 2, uint64_t(row_stride) * 2};
+    return make_tensor_map_bf16_sw128(map, ptr, 3, dims, strides, box);
+  };
+  cudaError_t err = map3(&params.q_nope, p.q_nope, kDimNope, H, T, kDimNope, H * kDimNope, q_box);
+  if (err == cudaSuccess)
+    err = map3(&params.q_pe, p.q_pe, kDimRope, H, T, kDimRope, H * kDimRope, q_box);
+  if (err == cudaSuccess)
+    err = map3(&params.k_nope, p.k_nope, kDimNope, H, N, p.k_head_stride, p.k_row_stride, kv_box);
+  if (err == cudaSuccess)
+    err = map3(&params.v, p.v, kDimV, H, N, p.v_head_stride, p.v_row_stride, kv_box);
+  if (err == cudaSuccess) {
+    const uint64_t dims[2] = {kDimRope, N};
+    const uint64_t strides[1] = {kDimRope * 2};
+    err = make_tensor_map_bf16_sw128(&params.k_pe, p.k_pe, 2, dims, strides, pe_box);
+  }
+  if (err != cudaSuccess) return err;
+  auto* kernel = &dense_mha_sm90_kernel<kDimNope, kDimRope, kDimV>;
+  static std::atomic<uint64_t> smem_set{0};
+  err = opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), Tr::kSmemBytes, smem_set);
+  if (err != cudaSuccess) return err;
+  kernel<<<dim3(unsigned(num_ctas)), Tr::kThreads, Tr::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace dsakit::cuda::dense_mha
