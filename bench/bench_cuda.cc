@@ -521,7 +521,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
 
 int main(int argc, char** argv) {
   std::string json_path;
-  bool quick = false, sparse = false, indexer = false, dense = false;
+  bool quick = false, sparse = false, indexer = false, dense = false, layer = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
@@ -533,12 +533,15 @@ int main(int argc, char** argv) {
       indexer = true;
     else if (!std::strcmp(argv[i], "--dense"))
       dense = true;
+    else if (!std::strcmp(argv[i], "--layer"))
+      layer = true;
     else {
       std::fprintf(stderr,
                    "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse] [--indexer] "
-                   "[--dense]\n"
+                   "[--dense] [--layer]\n"
                    "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n"
                    "  --dense: only the dense MHA kernels, every compiled kernel per shape\n"
+                   "  --layer: only the whole-layer rows (dsakit's layer, end to end)\n"
                    "  --indexer: only the indexer's logits kernels, top-k and indexer_topk\n");
       return 2;
     }
@@ -549,6 +552,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     const bool kernels_only = sparse || indexer || dense;  // no stage or layer rows
+    const bool stages = !kernels_only && !layer;
     cuda::CudaBackend be(0);
     const Backend::Ceilings ceil = be.measure_ceilings();
     std::vector<Row> rows;
@@ -591,19 +595,18 @@ int main(int argc, char** argv) {
         rows.insert(rows.end(), r.begin(), r.end());
       }
     }
-    for (int tp : kernels_only ? std::vector<int>{} : std::vector<int>{1, 8})
+    for (int tp : !stages ? std::vector<int>{} : std::vector<int>{1, 8})
       for (int64_t t : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384}) {
         auto r = bench_shape(be, ds.with_tp(tp), t, KvLayout::kFp8Scaled);
         rows.insert(rows.end(), r.begin(), r.end());
       }
-    for (int tp : kernels_only ? std::vector<int>{} : std::vector<int>{1, 4}) {
+    for (int tp : !stages ? std::vector<int>{} : std::vector<int>{1, 4}) {
       auto r = bench_shape(be, glm.with_tp(tp), 4096, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }
     // Short prompts with 16 heads, where the host's enqueue cost competes with the GPU's time.
-    for (const ModelConfig& c : kernels_only
-                                    ? std::vector<ModelConfig>{}
-                                    : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
+    for (const ModelConfig& c : !stages ? std::vector<ModelConfig>{}
+                                        : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
       auto r = bench_shape(be, c, 256, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
     }

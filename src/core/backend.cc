@@ -44,6 +44,7 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.kernel_instances = {
       "sparse MLA (d_qk 576, d_v 512), wgmma: " + cuda::attention::sparse_mla_sm90_supported(),
       "sparse MLA (d_qk 576, d_v 512), mma.sync: " + cuda::attention::sparse_mla_sm80_supported(),
+      "dense MHA (d_nope, d_rope, d_v), wgmma: " + cuda::attention::dense_mha_sm90_supported(),
       "dense MHA (d_nope, d_rope, d_v), mma.sync: " + cuda::attention::dense_mha_sm80_supported(),
       "indexer logits (H_i), wgmma: " + cuda::attention::indexer_logits_sm90_supported()};
   return c;

@@ -1,4 +1,5 @@
-// Dense MHA prefill kernel (docs/design.md#dense-mha), FlashAttention-2 style, bf16 in / fp32 accumulate.
+// Dense MHA prefill kernel (docs/design.md#dense-mha), FlashAttention-2 style, bf16 in / fp32
+// accumulate.
 //
 // One CTA of 4 warps per (tile, head): a tile is <= 64 query rows of one request and a range of
 // its kv blocks (all of them, or one split of them: DenseTile). Warp w owns query rows
@@ -14,9 +15,9 @@
 
 #include <cuda_bf16.h>
 
+#include "src/cuda/attention/dense_mha_params.h"
 #include "src/cuda/common/launch.h"
 #include "src/cuda/common/warp_mma.cuh"
-#include "src/cuda/attention/dense_mha_params.h"
 
 namespace dsakit::cuda::dense_mha {
 

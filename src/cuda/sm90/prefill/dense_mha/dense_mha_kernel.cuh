@@ -15,7 +15,8 @@
 //       P = exp2(S · sm_scale · log2 e − m), the online max m and sum l per row (registers)
 //       O = O · alpha + P · V_b          (64 x d_v, P from registers as bf16)
 //     S of block b + 1 is issued before P·V of block b, and its softmax runs while P·V does:
-//     only the O rescale waits for it.
+//     only the O rescale waits for it. The two groups take turns issuing (named barriers
+//     kTurn0 + w), so one group's softmax overlaps the other's MMAs.
 //
 // Shared memory (tiles are [rows][64 bf16] with the 128-byte swizzle, 1024-byte aligned):
 //   Q  [d_qk / 64 tiles of 128 rows]             k_nope tiles, then k_pe
@@ -77,6 +78,7 @@ struct DenseSm90Traits {
   static constexpr int kBarVEmpty = kBarVFull + 8 * kStages;
   static constexpr int kBarVStaged = kBarVEmpty + 8 * kStages;
   static constexpr int kSmemBytes = kBarVStaged + 8 * kStages;
+  static constexpr int kTurn0 = 1;  // named barriers kTurn0 + w: group w's turn to issue MMAs
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
 
   // setmaxnreg moves registers within the launch allocation (168 x 384 under
@@ -252,9 +254,22 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
 
   const auto stage_of = [](int i) { return i % kStages; };
   const auto phase_of = [](int i) { return uint32_t((i / kStages) & 1); };
+  // The two groups take turns issuing their MMAs: group w waits for its turn on
+  // named barrier kTurn0 + w and passes it to the other group once its MMAs are issued, so one
+  // group's softmax runs while the other's MMAs keep the tensor cores busy. Each group has
+  // num_blocks + 1 turns when the CTA has blocks (its first S, then one per block); WG1 hands
+  // the first turn to WG0 and does not pass its last, so every barrier phase completes.
+  const int num_turns = num_blocks > 0 ? num_blocks + 1 : 0;
+  int turn = 0;
+  const auto take_turn = [&] { sm90::named_barrier_sync(Tr::kTurn0 + wg, 256); };
+  const auto pass_turn = [&] {
+    if (wg == 0 || turn + 1 < num_turns) sm90::named_barrier_arrive(Tr::kTurn0 + 1 - wg, 256);
+    ++turn;
+  };
+  if (wg == 1 && num_turns > 0) sm90::named_barrier_arrive(Tr::kTurn0, 256);
+
   const auto issue_s = [&](int i) {
     const int stage = stage_of(i);
-    sm90::mbarrier_wait(bar(Tr::kBarKFull, stage), phase_of(i));
     sm90::fence_operands(s);
     sm90::wgmma_fence();
     issue_qk<kN, Tr::kQkTiles, Tr::kQTileBytes, Tr::kKvTileBytes>(
@@ -297,7 +312,10 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
 
   if (my_blocks > 0) {
     sm90::mbarrier_wait(bar_q, 0);
+    sm90::mbarrier_wait(bar(Tr::kBarKFull, 0), 0);
+    take_turn();
     issue_s(0);
+    pass_turn();
     sm90::wgmma_wait<0>();
     sm90::fence_operands(s);
     sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, 0));
@@ -313,12 +331,15 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
     for (int ks = 0; ks < kN / 16; ++ks)
 #pragma unroll
       for (int e = 0; e < 4; ++e) a[ks][e] = pack_bf16x2(s[8 * ks + 2 * e], s[8 * ks + 2 * e + 1]);
-    if constexpr (kNext) issue_s(i + 1);
+    if constexpr (kNext) sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(i + 1)), phase_of(i + 1));
     sm90::mbarrier_wait(bar(Tr::kBarVFull, stage_of(i)), phase_of(i));
+    take_turn();
+    if constexpr (kNext) issue_s(i + 1);
     sm90::fence_operands(o);
     if constexpr (!kNext) sm90::wgmma_fence();
     issue_pv<kDimV, kN / 16, Tr::kKvTileBytes>(o, a, v_tiles + stage_of(i) * Tr::kVStageBytes);
     sm90::wgmma_commit();
+    pass_turn();
     float alpha[2] = {1.f, 1.f};
     if constexpr (kNext) {
       sm90::wgmma_wait<1>();
@@ -342,11 +363,20 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   };
   for (int i = 0; i + 1 < my_blocks; ++i) block_step(i, std::true_type{});
   if (my_blocks > 0) block_step(my_blocks - 1, std::false_type{});
-  // The CTA's blocks past this group's rows: released once they have landed.
+  // The CTA's blocks past this group's rows: released once they have landed, each in the turn
+  // its block stands for (turn i + 1 for block i), with no MMA; a group with no rows first
+  // takes the turn of the S it does not compute. Keeping every group's turn t on block t - 1
+  // is what frees the other group: a block's release never waits for a later turn.
+  if (my_blocks == 0 && num_blocks > 0) {
+    take_turn();
+    pass_turn();
+  }
   for (int i = my_blocks; i < num_blocks; ++i) {
     sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(i)), phase_of(i));
-    sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(i)));
     sm90::mbarrier_wait(bar(Tr::kBarVFull, stage_of(i)), phase_of(i));
+    take_turn();
+    pass_turn();
+    sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(i)));
     sm90::mbarrier_arrive(bar(Tr::kBarVEmpty, stage_of(i)));
   }
 
