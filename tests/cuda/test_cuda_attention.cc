@@ -404,6 +404,27 @@ struct DenseCase {
   std::vector<std::pair<int, int>> prefix_extend;  // per request (P_r, E_r)
 };
 
+// dense_mha's arguments over device tensors, cu_q / cu_kv with their host copies; o and lse are
+// the caller's.
+DenseMhaArgs dense_args(const Tensor& q_nope, const Tensor& q_pe, const Tensor& k_nope,
+                        const Tensor& k_pe, const Tensor& v, const Tensor& cu_q_d,
+                        const Tensor& cu_kv_d, const std::vector<int32_t>& cu_q,
+                        const std::vector<int32_t>& cu_kv, double sm_scale) {
+  DenseMhaArgs a;
+  a.q_nope = q_nope.view();
+  a.q_pe = q_pe.view();
+  a.k_nope = k_nope.view();
+  a.k_pe = k_pe.view();
+  a.v = v.view();
+  a.cu_q = cu_q_d.view();
+  a.cu_kv = cu_kv_d.view();
+  a.cu_q_host = cu_q.data();
+  a.cu_kv_host = cu_kv.data();
+  a.num_requests = int(cu_q.size()) - 1;
+  a.sm_scale = sm_scale;
+  return a;
+}
+
 class CudaDenseMha : public CudaAttention {};
 
 TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
@@ -446,8 +467,7 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
         cu_q.push_back(cu_q.back() + e);
         cu_kv.push_back(cu_kv.back() + p + e);
       }
-      const int t_n = cu_q.back(), n = cu_kv.back(), h = c.num_heads,
-                b = int(c.prefix_extend.size());
+      const int t_n = cu_q.back(), n = cu_kv.back(), h = c.num_heads;
       const int d_qk = c.d_nope + kDr;
       Tensor q_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, c.d_nope});
       Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr});
@@ -457,18 +477,8 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
       Tensor qn_d = to_dev(q_nope), qp_d = to_dev(q_pe), kn_d = to_dev(k_nope), kp_d = to_dev(k_pe),
              v_d = to_dev(v), cq_d = to_dev(host_i32(cu_q)), ck_d = to_dev(host_i32(cu_kv));
 
-      DenseMhaArgs a;
-      a.q_nope = qn_d.view();
-      a.q_pe = qp_d.view();
-      a.k_nope = kn_d.view();
-      a.k_pe = kp_d.view();
-      a.v = v_d.view();
-      a.cu_q = cq_d.view();
-      a.cu_kv = ck_d.view();
-      a.cu_q_host = cu_q.data();
-      a.cu_kv_host = cu_kv.data();
-      a.num_requests = b;
-      a.sm_scale = 1.0 / std::sqrt(double(d_qk));
+      DenseMhaArgs a = dense_args(qn_d, qp_d, kn_d, kp_d, v_d, cq_d, ck_d, cu_q, cu_kv,
+                                  1.0 / std::sqrt(double(d_qk)));
       // K and V also as the halves of one [n, h, d_nope + d_v] buffer (what one up-projection
       // GEMM writes): the third run reads them there and must give the same bits.
       Tensor kv_host = Tensor::host(DType::kBF16, {n, h, c.d_nope + c.d_v});
@@ -555,18 +565,8 @@ TEST_F(CudaDenseMha, NanInALaterRequestDoesNotReachAnEarlierOne) {
         Tensor kn_d = to_dev(k_nope), kp_d = to_dev(k_pe), v_d = to_dev(v);
         Tensor o = poisoned(DType::kBF16, {t_n, h, d_v});
         Tensor lse = poisoned(DType::kF32, {t_n, h});
-        DenseMhaArgs a;
-        a.q_nope = qn_d.view();
-        a.q_pe = qp_d.view();
-        a.k_nope = kn_d.view();
-        a.k_pe = kp_d.view();
-        a.v = v_d.view();
-        a.cu_q = cq_d.view();
-        a.cu_kv = ck_d.view();
-        a.cu_q_host = cu_q.data();
-        a.cu_kv_host = cu_kv.data();
-        a.num_requests = 2;
-        a.sm_scale = 1.0 / std::sqrt(double(d_nope + kDr));
+        DenseMhaArgs a = dense_args(qn_d, qp_d, kn_d, kp_d, v_d, cq_d, ck_d, cu_q, cu_kv,
+                                    1.0 / std::sqrt(double(d_nope + kDr)));
         a.o = o.view();
         a.lse = lse.view();
         backend_->dense_mha(a);
@@ -596,18 +596,7 @@ TEST_F(CudaDenseMha, UnsupportedHeadDimsAreRejected) {
   Tensor cu_d = to_dev(host_i32(cu));
   Tensor o = poisoned(DType::kBF16, {kT, kH, kDv});
   Tensor lse = poisoned(DType::kF32, {kT, kH});
-  DenseMhaArgs a;
-  a.q_nope = q_nope.view();
-  a.q_pe = q_pe.view();
-  a.k_nope = k_nope.view();
-  a.k_pe = k_pe.view();
-  a.v = v.view();
-  a.cu_q = cu_d.view();
-  a.cu_kv = cu_d.view();
-  a.cu_q_host = cu.data();
-  a.cu_kv_host = cu.data();
-  a.num_requests = 1;
-  a.sm_scale = 0.1;
+  DenseMhaArgs a = dense_args(q_nope, q_pe, k_nope, k_pe, v, cu_d, cu_d, cu, cu, 0.1);
   a.o = o.view();
   a.lse = lse.view();
   try {

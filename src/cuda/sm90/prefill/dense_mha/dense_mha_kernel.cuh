@@ -88,8 +88,8 @@ struct DenseSm90Traits {
   static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= 168 * kThreads);
 };
 
-// S[64 x kN] = Q_w · Kᵀ over kTiles column tiles: Q rows from `q` (a tile of kQRows rows, this
-// group's 64 starting at byte q_row_offset), K rows from `k` (tiles of kN rows).
+// S[64 x kN] = Q_w · Kᵀ over kTiles column tiles of 64: Q_w from `q` (this group's first row of
+// tile 0; tiles kQTileBytes apart), K from `k` (kN rows per tile, tiles kKTileBytes apart).
 template <int kN, int kTiles, int kQTileBytes, int kKTileBytes>
 __device__ __forceinline__ void issue_qk(float (&s)[kN / 2], uint32_t q, uint32_t k) {
   const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
