@@ -11,6 +11,7 @@
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
+#include "src/cuda/attention/attention_ops.h"
 #include "src/cuda/attention/dense_mha_schedule.h"
 #include "src/cuda/attention/dispatch.h"
 #include "src/reference/reference.h"
@@ -396,6 +397,45 @@ TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
       }
     }
     if (HasFatalFailure()) return;
+  }
+}
+
+// The wgmma kernel's preconditions, decided on the host before anything touches the device (the
+// views' addresses are never dereferenced): an instance for the head dims and operands TMA can
+// address. kAuto falls back to mma.sync; forcing wgmma is kUnsupported naming what it needs.
+TEST(DenseMhaKernelChoice, WgmmaNeedsAnInstanceAndTmaAddressableOperands) {
+  constexpr int64_t kT = 8, kH = 4, kDr = 64;
+  const auto at = [](uintptr_t address) { return reinterpret_cast<void*>(address); };
+  const auto args = [&](int64_t d_nope, int64_t d_v) {
+    DenseMhaArgs a;
+    a.q_nope = make_view(at(0x100000), DType::kBF16, Device::kCuda, {kT, kH, d_nope});
+    a.q_pe = make_view(at(0x200000), DType::kBF16, Device::kCuda, {kT, kH, kDr});
+    a.k_nope = make_view(at(0x300000), DType::kBF16, Device::kCuda, {kT, kH, d_nope});
+    a.k_pe = make_view(at(0x400000), DType::kBF16, Device::kCuda, {kT, kDr});
+    a.v = make_view(at(0x500000), DType::kBF16, Device::kCuda, {kT, kH, d_v});
+    a.o = make_view(at(0x600000), DType::kBF16, Device::kCuda, {kT, kH, d_v});
+    a.lse = make_view(at(0x700000), DType::kF32, Device::kCuda, {kT, kH});
+    return a;
+  };
+  EXPECT_EQ(dense_mha_kernel_for(args(128, 128)), AttentionKernel::kWgmma);
+  EXPECT_EQ(dense_mha_kernel_for(args(192, 256)), AttentionKernel::kWgmma);
+  EXPECT_EQ(dense_mha_kernel_for(args(192, 128)), AttentionKernel::kMmaSync);  // no sm90 row
+
+  DenseMhaArgs misaligned = args(128, 128);
+  misaligned.q_pe.data = at(0x200002);
+  DenseMhaArgs odd_stride = args(128, 128);
+  odd_stride.v.stride[1] = 132;  // heads 264 bytes apart: not a multiple of 16
+  for (const DenseMhaArgs& a : {misaligned, odd_stride}) {
+    EXPECT_FALSE(dense_mha_wgmma_reads(a));
+    EXPECT_EQ(dense_mha_kernel_for(a), AttentionKernel::kMmaSync);
+    try {
+      cuda_dense_mha(
+          a, 132, nullptr, [](size_t) -> void* { return nullptr; }, AttentionKernel::kWgmma);
+      ADD_FAILURE() << "expected Error(kUnsupported) from the forced wgmma kernel";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+      EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+    }
   }
 }
 
