@@ -1,7 +1,8 @@
 // Parameters and launchers of the dense MHA prefill kernels (docs/design.md#dense-mha): varlen
 // causal attention with a cached prefix, K = [k_nope per head, k_pe shared by all heads], V per
 // head. Two kernels take these parameters: the mma.sync one (src/cuda/sm80/prefill/dense_mha/)
-// and the wgmma + TMA one (src/cuda/sm90/prefill/dense_mha/); they differ in tile shape only.
+// and the wgmma + TMA one (src/cuda/sm90/prefill/dense_mha/), each over a schedule of its own
+// tile shape (DenseTileShape).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -61,7 +62,8 @@ struct DenseMhaParams {
   const DenseTile* tiles;  // [num_tiles] device copy of the schedule, or null: inline_tiles
   int num_tiles;
   int num_heads;  // H
-  // V columns per CTA: the kernel instance's d_v; a CTA per (tile, head, slice) computes
+  // V columns per CTA (mma.sync; the wgmma kernel takes v_slices == 1): the kernel instance's
+  // d_v; a CTA per (tile, head, slice) computes
   // columns [slice * d_v, (slice + 1) * d_v) of d_v_total = d_v * v_slices. More than one slice
   // re-computes S per slice: worth it only on grids that leave SMs idle.
   int v_slices;
