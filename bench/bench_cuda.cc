@@ -95,6 +95,25 @@ struct Row {
   double flops = 0, bytes = 0;
 };
 
+// Rows "<stem>_sm80" and "<stem>_sm90": fn(i) timed with each attention kernel forced through
+// `option` (one of be.options()'s kernel choices, restored afterwards); a kernel without an
+// instance for the shape (kUnsupported) adds no row.
+void time_each_kernel(AttentionKernel& option, Backend& be, const std::string& shape,
+                      const std::string& stem, double flops, const std::function<void(int)>& fn,
+                      std::vector<Row>& rows) {
+  const AttentionKernel previous = option;
+  for (const auto& [kernel, suffix] : {std::pair{AttentionKernel::kMmaSync, "_sm80"},
+                                       std::pair{AttentionKernel::kWgmma, "_sm90"}}) {
+    option = kernel;
+    try {
+      rows.push_back({shape, stem + suffix, time_ms(be, fn), flops, 0});
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kUnsupported) throw;
+    }
+  }
+  option = previous;
+}
+
 // One fresh prompt of T tokens (a single request, causal) for config `c`.
 std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_t t,
                              KvLayout layout) {
@@ -286,12 +305,9 @@ std::vector<Row> bench_dense(cuda::CudaBackend& be, const ModelConfig& c,
   const Tensor k_pe = uniform_bf16_device(be, {n, dr}, 40, 1.f);
   Tensor o = be.empty(DType::kBF16, {t, h, dv}), lse = be.empty(DType::kF32, {t, h});
   std::vector<Row> rows;
-  const AttentionKernel previous = be.options().dense_mha_kernel;
-  for (const auto& [kernel, name] : {std::pair{AttentionKernel::kMmaSync, "dense_mha_sm80"},
-                                     std::pair{AttentionKernel::kWgmma, "dense_mha_sm90"}}) {
-    be.options().dense_mha_kernel = kernel;
-    try {
-      const Timing tm = time_ms(be, [&](int i) {
+  time_each_kernel(
+      be.options().dense_mha_kernel, be, shape, "dense_mha", 2.0 * h * pairs * (dn + dr + dv),
+      [&](int i) {
         const KvHalves halves = kv_halves(kv_up[size_t(i % kSets)], dn);
         DenseMhaArgs a;
         a.q_nope = q_nope[size_t(i % kSets)];
@@ -308,13 +324,8 @@ std::vector<Row> bench_dense(cuda::CudaBackend& be, const ModelConfig& c,
         a.o = o;
         a.lse = lse;
         be.dense_mha(a);
-      });
-      rows.push_back({shape, name, tm, 2.0 * h * pairs * (dn + dr + dv), 0});
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::kUnsupported) throw;
-    }
-  }
-  be.options().dense_mha_kernel = previous;
+      },
+      rows);
   be.options().host_value_checks = true;
   return rows;
 }
@@ -378,12 +389,9 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
   be.positions_to_locations(top, locs, start, ctx, loc_top);
   Tensor o_lat = be.empty(DType::kBF16, {t, h, dc}), lse = be.empty(DType::kF32, {t, h});
   std::vector<Row> rows;
-  const AttentionKernel previous = be.options().sparse_mla_kernel;
-  for (const auto& [kernel, name] : {std::pair{AttentionKernel::kMmaSync, "sparse_mla_sm80"},
-                                     std::pair{AttentionKernel::kWgmma, "sparse_mla_sm90"}}) {
-    be.options().sparse_mla_kernel = kernel;
-    try {
-      const Timing tm = time_ms(be, [&](int i) {
+  time_each_kernel(
+      be.options().sparse_mla_kernel, be, shape, "sparse_mla", 2.0 * h * sum_keff * (576 + 512),
+      [&](int i) {
         SparseMlaArgs s;
         s.q_abs = q_abs;
         s.q_pe = q_pe;
@@ -394,13 +402,8 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
         s.o_lat = o_lat;
         s.lse = lse;
         be.sparse_mla(s);
-      });
-      rows.push_back({shape, name, tm, 2.0 * h * sum_keff * (576 + 512), 0});
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::kUnsupported) throw;
-    }
-  }
-  be.options().sparse_mla_kernel = previous;
+      },
+      rows);
   be.options().host_value_checks = true;
   // The gather alone (bench/row_gather.cu), one CTA per token and per 64-head group as the wgmma
   // kernel runs: its time is the floor of a kernel that must bring these rows into shared
