@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -41,6 +43,20 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Eight e4m3 codes (codes.x: codes 0-3, low byte first) as bf16(code · scale), one 16-byte chunk
+// of 8 bf16. Exact when scale is 1 or a power of two (e4m3's 3 mantissa bits fit bf16's 7).
+__device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes, float scale = 1.f) {
+  const uint32_t words[2] = {codes.x, codes.y};
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i >> 1] >> (16 * (i & 1)));
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    out[i] = pack_bf16x2(f.x * scale, f.y * scale);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 // Both bf16 halves of v times (lo, hi) in fp32, rounded back to bf16.

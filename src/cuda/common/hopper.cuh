@@ -139,15 +139,31 @@ __device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, bo
                "r"(valid ? kBytes : 0)
                : "memory");
 }
-__device__ __forceinline__ uint2 ld_shared_u32x2(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+// 16 / 8 bytes of read-only global memory into registers, not kept in L1, with a 256-byte L2
+// prefetch: for rows gathered once per CTA. !valid gives zeros and reads nothing. Addresses
+// aligned to the size.
+__device__ __forceinline__ uint4 ld_global_nc_u32x4(const void* src, bool valid) {
+  uint4 v;
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n"
+      "mov.u32 %0, 0;\nmov.u32 %1, 0;\nmov.u32 %2, 0;\nmov.u32 %3, 0;\n"
+      "@p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(src), "r"(int(valid)));
   return v;
 }
-__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+__device__ __forceinline__ uint2 ld_global_nc_u32x2(const void* src, bool valid) {
+  uint2 v;
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\nmov.u32 %0, 0;\nmov.u32 %1, 0;\n"
+      "@p ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n}\n"
+      : "=r"(v.x), "=r"(v.y)
+      : "l"(src), "r"(int(valid)));
   return v;
+}
+// Brings the line holding `src` into L1 (no registers held while it is in flight).
+__device__ __forceinline__ void prefetch_l1(const void* src) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(src));
 }
 __device__ __forceinline__ void st_shared_u32x4(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y),

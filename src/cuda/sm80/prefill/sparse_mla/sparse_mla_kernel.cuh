@@ -80,20 +80,6 @@ struct SparseMlaTraits {
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
 };
 
-// Eight e4m3 codes as their exact bf16 values, one 16-byte chunk.
-__device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes) {
-  const uint32_t words[2] = {codes.x, codes.y};
-  uint32_t out[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i >> 1] >> (16 * (i & 1)));
-    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
-    const float2 f = __half22float2(h);
-    out[i] = pack_bf16x2(f.x, f.y);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
 // Gathers the 64 selected rows of slots [slot0, slot0 + 64) into one kv stage as bf16
 // [64][576] (fp8: the codes; their scales into `scales` [64][4]) and records which slots are
 // valid. Invalid slots (past num_slots, location out of range) are zero-filled and their

@@ -5,10 +5,10 @@
 // (a block); block 2i goes to buffer K0, block 2i + 1 to K1:
 //
 //   WG2 (producer): Q once, then every block's rows gathered from the pool by location into the
-//     swizzled tiles of its buffer (bf16 pools: cp.async; fp8 pools: codes staged in place by
-//     cp.async, then widened to bf16 in place), and a valid flag per slot. Each buffer is two
-//     halves with their own full / empty mbarriers: L = dims [0, 256) (tiles 0-3), R = dims
-//     [256, 576) (tiles 4-8).
+//     swizzled tiles of its buffer (bf16 pools: cp.async; fp8 pools: the codes loaded into
+//     registers one half ahead, before that half's buffer is free, then widened to bf16 and
+//     stored), and a valid flag per slot. Each buffer is two halves with their own full / empty
+//     mbarriers: L = dims [0, 256) (tiles 0-3), R = dims [256, 576) (tiles 4-8).
 //   WG0 / WG1 (consumers): WG b owns block 2i + b of iteration i and output dims
 //     [256b, 256b + 256). It computes S_b = Q·K_bᵀ (64 x 64, K = 576), the online softmax of its
 //     block with the running max the two groups share, P_b·V_b over its own dims (P_b from
@@ -40,6 +40,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <type_traits>
+
 #include "src/cuda/attention/sparse_mla_params.h"
 #include "src/cuda/common/hopper.cuh"
 #include "src/cuda/common/launch.h"
@@ -57,8 +59,8 @@ struct Sm90Config {
   // setmaxnreg moves registers within the CTA's launch allocation (168 x 384 under
   // __launch_bounds__(384, 1)): 2 x 128 x kConsumerRegs + 128 x kProducerRegs must not exceed
   // it, or the consumers' increase waits forever.
-  static constexpr int kConsumerRegs = 224;
-  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 208;
+  static constexpr int kProducerRegs = 88;
   static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= 168 * kThreads);
 
   static constexpr int kQ = 0;
@@ -86,11 +88,13 @@ struct Sm90Config {
 
 // ---- producer -----------------------------------------------------------------------------
 
-// The producer's share of one block: rows group + 16 i (i < 4) of the block, their locations
-// and validity (slot < num_slots, location in range).
+// The producer's share of one block: the pool locations of rows group + 16 i (i < 4) of the
+// block, -1 where the row is invalid (slot >= num_slots, location out of range); invalid rows
+// read location 0 and are zero-filled.
 struct BlockRows {
-  int64_t loc[4];
-  bool ok[4];
+  int32_t loc[4];
+  __device__ bool ok(int i) const { return loc[i] >= 0; }
+  __device__ int32_t address_row(int i) const { return max(loc[i], 0); }
 };
 
 __device__ __forceinline__ BlockRows block_rows(const SparseMlaParams& p, const int32_t* slots,
@@ -99,74 +103,108 @@ __device__ __forceinline__ BlockRows block_rows(const SparseMlaParams& p, const 
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int slot = block * Sm90Config::kBlock + group + 16 * i;
-    const int64_t loc = slot < num_slots ? int64_t(__ldg(slots + slot)) : int64_t(-1);
-    r.ok[i] = loc >= 0 && loc < p.num_locations;
-    r.loc[i] = r.ok[i] ? loc : 0;
+    const int32_t loc = slot < num_slots ? __ldg(slots + slot) : -1;
+    r.loc[i] = loc < p.num_locations ? loc : -1;
   }
   return r;
 }
 
-// Gathers tiles [tile_begin, tile_end) of a block's rows into `buffer`: chunk `lane8` of each
-// tile row, invalid rows zero-filled.
-//  * bf16 pools: cp.async straight into the tiles; the caller arrives on the half's full
-//    barrier when they land.
-//  * fp8 pools: each chunk's 8 e4m3 codes (and, for the 656-byte layout, its 128-column tile's
-//    fp32 scale) go to the first 12 bytes of the very chunk they become (this thread's chunks
-//    only); convert_half() widens them in place once this thread's copies have landed. The
-//    656-byte layout's bf16 rope tile is copied as it is.
 template <KvLayout kLayout>
-__device__ __forceinline__ void load_half(const SparseMlaParams& p, const BlockRows& rows,
-                                          uint32_t buffer, int tile_begin, int tile_end, int group,
-                                          int lane8) {
-  using Row = PoolRow<kLayout>;
+__device__ __forceinline__ const uint8_t* pool_row(const SparseMlaParams& p, int32_t loc) {
+  return p.kv_pool + int64_t(loc) * PoolRow<kLayout>::kBytes;
+}
+
+// bf16 pools: cp.async of tiles [tile_begin, tile_end) of a block's rows straight into the
+// swizzled tiles of `buffer` (chunk `lane8` of each tile row); the caller arrives on the half's
+// full barrier when they land.
+__device__ __forceinline__ void load_half_bf16(const SparseMlaParams& p, const BlockRows& rows,
+                                               uint32_t buffer, int tile_begin, int tile_end,
+                                               int group, int lane8) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = group + 16 * i;
-    const uint8_t* src = p.kv_pool + rows.loc[i] * Row::kBytes;
+    const uint8_t* src = pool_row<KvLayout::kBf16>(p, rows.address_row(i));
 #pragma unroll
-    for (int tile = tile_begin; tile < tile_end; ++tile) {
-      const uint32_t dst =
-          buffer + tile * Sm90Config::kTileBytes + sm90::swizzled_chunk(row, lane8);
-      if constexpr (kLayout == KvLayout::kBf16) {
-        sm90::cp_async_16_prefetch(dst, src + tile * 128 + lane8 * 16, rows.ok[i]);
-      } else if (kLayout == KvLayout::kFp8Scaled && tile == Sm90Config::kLatentTiles) {
-        sm90::cp_async_16_prefetch(dst, src + Row::kRopeOffset + lane8 * 16, rows.ok[i]);
-      } else {
-        sm90::cp_async_small<8>(dst, src + tile * 64 + lane8 * 8, rows.ok[i]);
-        if constexpr (kLayout == KvLayout::kFp8Scaled)
-          sm90::cp_async_small<4>(dst + 8, src + Row::kScalesOffset + 4 * (tile / 2), rows.ok[i]);
-      }
-    }
+    for (int tile = tile_begin; tile < tile_end; ++tile)
+      sm90::cp_async_16_prefetch(
+          buffer + tile * Sm90Config::kTileBytes + sm90::swizzled_chunk(row, lane8),
+          src + tile * 128 + lane8 * 16, rows.ok(i));
   }
 }
 
-// fp8 pools: widens this thread's staged chunks of tiles [tile_begin, tile_end) to bf16 in
-// place: bf16(e4m3 · scale) for the 656-byte layout, the exact e4m3 value for fp8-raw (its
-// k_scale multiplies S and O instead).
-template <KvLayout kLayout>
-__device__ __forceinline__ void convert_half(uint32_t buffer, int tile_begin, int tile_end,
-                                             int group, int lane8) {
+// fp8 pools: this thread's share of one row of a block's half, held in registers between its
+// load and its store. Half h's latent part is columns [256 h, 256 h + 256): codes[j] are the 16
+// codes at 256 h + 128 j + 16 lane8; rope fp8-raw's rope codes [8 lane8, +8) (R half only). The
+// 656-byte layout's two tile scales of those columns are prefetched into L1 with the codes and
+// read at the store; its bf16 rope is copied by cp.async once the buffer is free.
+struct Fp8Row {
+  uint4 codes[2];
+  uint2 rope;
+};
+
+template <KvLayout kLayout, int kHalf>
+__device__ __forceinline__ void load_row_fp8(const SparseMlaParams& p, int32_t loc, int lane8,
+                                             Fp8Row& staged) {
+  using Row = PoolRow<kLayout>;
+  const bool ok = loc >= 0;
+  const uint8_t* src = pool_row<kLayout>(p, max(loc, 0));
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = group + 16 * i;
+  for (int j = 0; j < 2; ++j)
+    staged.codes[j] = sm90::ld_global_nc_u32x4(src + 256 * kHalf + 128 * j + 16 * lane8, ok);
+  if constexpr (kLayout == KvLayout::kFp8Scaled)
+    sm90::prefetch_l1(src + Row::kScalesOffset + 8 * kHalf);
+  else if constexpr (kHalf == 1)
+    staged.rope = sm90::ld_global_nc_u32x2(src + Row::kRopeOffset + 8 * lane8, ok);
+}
+
+// Where this thread's stores land in a buffer, as byte offsets from the buffer for the rows
+// group + 16 i at i = 0 (row i adds 16 i rows of 128 bytes; every such row has the same swizzle,
+// row % 8 = group % 8): pair[c] is chunk 2 (lane8 % 4) + c of tile lane8 / 4 (add 2 j + 4 h
+// tiles for codes[j] of half h), rope chunk lane8 of the rope tile.
+struct Fp8StoreOffsets {
+  uint32_t pair[2];
+  uint32_t rope;
+};
+
+__device__ __forceinline__ Fp8StoreOffsets fp8_store_offsets(int group, int lane8) {
+  using C = Sm90Config;
+  Fp8StoreOffsets o;
 #pragma unroll
-    for (int tile = tile_begin; tile < tile_end; ++tile) {
-      if (kLayout == KvLayout::kFp8Scaled && tile == Sm90Config::kLatentTiles) continue;
-      const uint32_t chunk =
-          buffer + tile * Sm90Config::kTileBytes + sm90::swizzled_chunk(row, lane8);
-      const uint2 codes = sm90::ld_shared_u32x2(chunk);
-      const float scale = kLayout == KvLayout::kFp8Scaled ? sm90::ld_shared_f32(chunk + 8) : 1.f;
-      const uint32_t words[2] = {codes.x, codes.y};
-      uint32_t out[4];
+  for (int c = 0; c < 2; ++c)
+    o.pair[c] = (lane8 / 4) * C::kTileBytes + sm90::swizzled_chunk(group, 2 * (lane8 % 4) + c);
+  o.rope = C::kLatentTiles * C::kTileBytes + sm90::swizzled_chunk(group, lane8);
+  return o;
+}
+
+// Widens staged row i of half kHalf to bf16 into the swizzled tiles of `buffer` (an invalid row
+// was loaded as zero codes; its scales are taken as 1). The 656-byte layout's R half also starts
+// the row's rope cp.async (zero-filled for an invalid row).
+template <KvLayout kLayout, int kHalf>
+__device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t loc,
+                                              const Fp8Row& staged, uint32_t buffer, int i,
+                                              const Fp8StoreOffsets& offsets, int lane8) {
+  using C = Sm90Config;
+  const uint32_t row = buffer + i * 16 * 128;
+  const bool ok = loc >= 0;
+  const uint8_t* src = pool_row<kLayout>(p, max(loc, 0));
+  float2 scales = {1.f, 1.f};
+  if constexpr (kLayout == KvLayout::kFp8Scaled)
+    if (ok)
+      scales =
+          __ldg(reinterpret_cast<const float2*>(src + PoolRow<kLayout>::kScalesOffset) + kHalf);
 #pragma unroll
-      for (int pair = 0; pair < 4; ++pair) {
-        const auto two = static_cast<__nv_fp8x2_storage_t>(words[pair / 2] >> (16 * (pair % 2)));
-        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3)));
-        out[pair] = pack_bf16x2(f.x * scale, f.y * scale);
-      }
-      sm90::st_shared_u32x4(chunk, make_uint4(out[0], out[1], out[2], out[3]));
-    }
+  for (int j = 0; j < 2; ++j) {
+    const float scale = j == 0 ? scales.x : scales.y;
+    const uint4 c = staged.codes[j];
+    const uint32_t tile = row + (4 * kHalf + 2 * j) * C::kTileBytes;
+    sm90::st_shared_u32x4(tile + offsets.pair[0], e4m3x8_to_bf16(make_uint2(c.x, c.y), scale));
+    sm90::st_shared_u32x4(tile + offsets.pair[1], e4m3x8_to_bf16(make_uint2(c.z, c.w), scale));
   }
+  if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
+    sm90::cp_async_16_prefetch(row + offsets.rope, src + PoolRow<kLayout>::kRopeOffset + lane8 * 16,
+                               ok);
+  if constexpr (kLayout == KvLayout::kFp8Raw && kHalf == 1)
+    sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_bf16(staged.rope));
 }
 
 // ---- consumers ----------------------------------------------------------------------------
@@ -261,7 +299,9 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     sm90::mbarrier_init(bar_q, 128);
     for (int b = 0; b < 2; ++b)
       for (int h = 0; h < 2; ++h) {
-        sm90::mbarrier_init(bar_full(b, h), 128);
+        // The 656-byte layout's R half: 128 stores + 128 cp.async completions (its rope tile).
+        sm90::mbarrier_init(bar_full(b, h),
+                            kLayout == KvLayout::kFp8Scaled && h == 1 ? 256 : 128);
         sm90::mbarrier_init(bar_empty(b, h), 128);
       }
     sm90::mbarrier_init(bar_valid, 128);
@@ -294,56 +334,87 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     }
     sm90::cp_async_mbarrier_arrive(bar_q);
 
-    // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L. fp8 pools keep
-    // one half in flight while the one before it is converted: the next half is staged first
-    // when its buffer is already free (never waiting for it while a staged half is unfinished,
-    // so no consumer waits on a half the producer holds back).
-    struct Pending {
-      uint32_t buffer = 0, full = 0;
-      int tile_begin = 0, tile_end = 0;
-      bool active = false;
-    } pending;
-    const auto finish = [&](bool newer_in_flight) {
-      if (newer_in_flight)
-        cp_async_wait<1>();
-      else
-        cp_async_wait<0>();
-      convert_half<kLayout>(pending.buffer, pending.tile_begin, pending.tile_end, group, lane8);
-      sm90::fence_proxy_async_shared();
-      sm90::mbarrier_arrive(pending.full);
-      pending.active = false;
-    };
-    for (int it = 0; it < num_iters; ++it) {
-      const uint32_t free_phase = (it & 1) ^ 1;
+    // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
+    // an iteration), each on its buffer's empty barrier of the iteration's parity.
+    if constexpr (kLayout == KvLayout::kBf16) {
+      for (int it = 0; it < num_iters; ++it) {
+        const uint32_t free_phase = (it & 1) ^ 1;
 #pragma unroll 1
-      for (int step = 0; step < 4; ++step) {
-        const int buffer = step & 1, half = ((step + 1) >> 1) & 1;  // 0L, 1R, 0R, 1L
-        const uint32_t empty = bar_empty(buffer, half), full = bar_full(buffer, half);
-        const uint32_t tiles = buffer == 0 ? k0_tiles : k1_tiles;
-        const int tile_begin = half == 0 ? 0 : C::kHalfTiles;
-        const int tile_end = half == 0 ? C::kHalfTiles : C::kTiles;
-        if constexpr (kLayout != KvLayout::kBf16)
-          if (pending.active && !sm90::mbarrier_test_wait(empty, free_phase)) finish(false);
-        sm90::mbarrier_wait(empty, free_phase);
-        const BlockRows rows = block_rows(p, slots, 2 * it + buffer, num_slots, group);
-        load_half<kLayout>(p, rows, tiles, tile_begin, tile_end, group, lane8);
-        if constexpr (kLayout == KvLayout::kBf16) {
-          sm90::cp_async_mbarrier_arrive(full);
-        } else {
-          cp_async_commit();
-          if (pending.active) finish(true);
-          pending = {tiles, full, tile_begin, tile_end, true};
-        }
-        // A buffer's flags are read only by its own group, which has masked the previous
-        // iteration once it released its first half of it (steps 0 and 1).
-        if (step < 2 && lane8 == 0)
+        for (int step = 0; step < 4; ++step) {
+          const int buffer = step & 1, half = ((step + 1) >> 1) & 1;
+          sm90::mbarrier_wait(bar_empty(buffer, half), free_phase);
+          const BlockRows rows = block_rows(p, slots, 2 * it + buffer, num_slots, group);
+          load_half_bf16(p, rows, buffer == 0 ? k0_tiles : k1_tiles,
+                         half == 0 ? 0 : C::kHalfTiles, half == 0 ? C::kHalfTiles : C::kTiles,
+                         group, lane8);
+          sm90::cp_async_mbarrier_arrive(bar_full(buffer, half));
+          // A buffer's flags are read only by its own group, which has masked the previous
+          // iteration once it released its first half of it (steps 0 and 1).
+          if (step < 2 && lane8 == 0)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok[i];
-        if (step == 1) sm90::mbarrier_arrive(bar_valid);
+            for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
+          if (step == 1) sm90::mbarrier_arrive(bar_valid);
+        }
+      }
+    } else {
+      // fp8 pools: row i of the next step is loaded into registers as soon as row i of this
+      // step is stored, so each load has a whole step (and the wait for the next buffer) to
+      // land. rows[b]: the rows of buffer b's block of this iteration.
+      BlockRows rows[2];
+      Fp8Row staged[4];
+      const Fp8StoreOffsets offsets = fp8_store_offsets(group, lane8);
+      if (num_iters > 0) {
+        rows[0] = block_rows(p, slots, 0, num_slots, group);
+        rows[1] = block_rows(p, slots, 1, num_slots, group);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) load_row_fp8<kLayout, 0>(p, rows[0].loc[i], lane8, staged[i]);
+      }
+      const auto step = [&](auto buffer_c, auto half_c, int it, bool has_next) {
+        constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
+        // The next step: (1, R) after (0, L); (0, R) after (1, R); (1, L) after (0, R); the next
+        // iteration's (0, L) after (1, L).
+        constexpr int kNextBuffer = 1 - kBuffer, kNextHalf = kBuffer == 0 ? 1 - kHalf : kHalf;
+        const uint32_t full = bar_full(kBuffer, kHalf);
+        const uint32_t tiles = kBuffer == 0 ? k0_tiles : k1_tiles;
+        sm90::mbarrier_wait(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          store_row_fp8<kLayout, kHalf>(p, rows[kBuffer].loc[i], staged[i], tiles, i, offsets,
+                                        lane8);
+          if (has_next)
+            load_row_fp8<kLayout, kNextHalf>(p, rows[kNextBuffer].loc[i], lane8, staged[i]);
+        }
+        sm90::fence_proxy_async_shared();
+        sm90::mbarrier_arrive(full);
+        // The 656-byte layout's R half also waits for its rope copies (a second arrival each).
+        if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
+          sm90::cp_async_mbarrier_arrive(full);
+        if constexpr (kBuffer == 0 && kHalf == 0) {  // see the bf16 loop on the flags
+          if (lane8 == 0)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) valid[group + 16 * i] = rows[0].ok(i);
+        }
+        if constexpr (kBuffer == 1 && kHalf == 1) {
+          if (lane8 == 0)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) valid[C::kBlock + group + 16 * i] = rows[1].ok(i);
+          sm90::mbarrier_arrive(bar_valid);
+        }
+      };
+      using Zero = std::integral_constant<int, 0>;
+      using One = std::integral_constant<int, 1>;
+#pragma unroll 1
+      for (int it = 0; it < num_iters; ++it) {
+        const bool more = it + 1 < num_iters;
+        step(Zero{}, Zero{}, it, true);  // K0.L; loads K1.R
+        step(One{}, One{}, it, true);    // K1.R; loads K0.R
+        step(Zero{}, One{}, it, true);   // K0.R; loads K1.L
+        // Buffer 0's block of the next iteration, for the loads issued during K1.L.
+        if (more) rows[0] = block_rows(p, slots, 2 * it + 2, num_slots, group);
+        step(One{}, Zero{}, it, more);  // K1.L; loads the next K0.L
+        if (more) rows[1] = block_rows(p, slots, 2 * it + 3, num_slots, group);
       }
     }
-    if constexpr (kLayout != KvLayout::kBf16)
-      if (pending.active) finish(false);
     cp_async_wait<0>();
     return;
   }
