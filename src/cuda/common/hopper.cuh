@@ -131,6 +131,13 @@ __device__ __forceinline__ void cp_async_16_prefetch(uint32_t dst, const void* s
                "r"(valid ? 16 : 0)
                : "memory");
 }
+// 16 bytes global -> shared through L1 (hits lines prefetched there by prefetch_l1); !valid
+// zero-fills and reads nothing.
+__device__ __forceinline__ void cp_async_16_l1(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
 // 8 or 4 bytes global -> shared (through L1); !valid zero-fills. Addresses aligned to the size.
 template <int kBytes>
 __device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, bool valid) {

@@ -135,8 +135,9 @@ __device__ __forceinline__ void load_half_bf16(const SparseMlaParams& p, const B
 // fp8 pools: this thread's share of one row of a block's half, held in registers between its
 // load and its store. Half h's latent part is columns [256 h, 256 h + 256): codes[j] are the 16
 // codes at 256 h + 128 j + 16 lane8; rope fp8-raw's rope codes [8 lane8, +8) (R half only). The
-// 656-byte layout's two tile scales of those columns are prefetched into L1 with the codes and
-// read at the store; its bf16 rope is copied by cp.async once the buffer is free.
+// 656-byte layout's two tile scales of those columns and its bf16 rope chunk lane8 (R half) are
+// prefetched into L1 with the codes: the store reads the scales and copies the rope through L1 by
+// cp.async once the buffer is free.
 struct Fp8Row {
   uint4 codes[2];
   uint2 rope;
@@ -151,9 +152,10 @@ __device__ __forceinline__ void load_row_fp8(const SparseMlaParams& p, int32_t l
 #pragma unroll
   for (int j = 0; j < 2; ++j)
     staged.codes[j] = sm90::ld_global_nc_u32x4(src + 256 * kHalf + 128 * j + 16 * lane8, ok);
-  if constexpr (kLayout == KvLayout::kFp8Scaled)
+  if constexpr (kLayout == KvLayout::kFp8Scaled) {
     sm90::prefetch_l1(src + Row::kScalesOffset + 8 * kHalf);
-  else if constexpr (kHalf == 1)
+    if constexpr (kHalf == 1) sm90::prefetch_l1(src + Row::kRopeOffset + 16 * lane8);
+  } else if constexpr (kHalf == 1)
     staged.rope = sm90::ld_global_nc_u32x2(src + Row::kRopeOffset + 8 * lane8, ok);
 }
 
@@ -186,6 +188,8 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
   using C = Sm90Config;
   const uint32_t row = buffer + i * 16 * 128;
   const bool ok = loc >= 0;
+  // The row's address is recomputed here, not held from its load a step earlier.
+  asm volatile("" : "+r"(loc));
   const uint8_t* src = pool_row<kLayout>(p, max(loc, 0));
   float2 scales = {1.f, 1.f};
   if constexpr (kLayout == KvLayout::kFp8Scaled)
@@ -201,8 +205,7 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
     sm90::st_shared_u32x4(tile + offsets.pair[1], e4m3x8_to_bf16(make_uint2(c.z, c.w), scale));
   }
   if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
-    sm90::cp_async_16_prefetch(row + offsets.rope, src + PoolRow<kLayout>::kRopeOffset + lane8 * 16,
-                               ok);
+    sm90::cp_async_16_l1(row + offsets.rope, src + PoolRow<kLayout>::kRopeOffset + lane8 * 16, ok);
   if constexpr (kLayout == KvLayout::kFp8Raw && kHalf == 1)
     sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_bf16(staged.rope));
 }
