@@ -400,6 +400,27 @@ TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
   }
 }
 
+// kAuto's sparse MLA kernel, decided on the host from the pool alone: wgmma for every pool it
+// reads exactly (bf16, fp8-raw, 656-byte with pow2 scales), mma.sync for amax-scaled 656-byte
+// pools.
+TEST(SparseMlaKernelChoice, WgmmaForEveryPoolItReadsExactly) {
+  const auto pool = [](KvLayout layout, ScalePolicy policy) {
+    KvPoolDesc d;
+    d.layout = layout;
+    d.scale_policy = policy;
+    return d;
+  };
+  for (ScalePolicy policy : {ScalePolicy::kAmax, ScalePolicy::kPow2}) {
+    EXPECT_EQ(sparse_mla_kernel_for(pool(KvLayout::kBf16, policy)), AttentionKernel::kWgmma);
+    EXPECT_EQ(sparse_mla_kernel_for(pool(KvLayout::kFp8Raw, policy)), AttentionKernel::kWgmma);
+  }
+  EXPECT_EQ(sparse_mla_kernel_for(pool(KvLayout::kFp8Scaled, ScalePolicy::kPow2)),
+            AttentionKernel::kWgmma);
+  EXPECT_EQ(sparse_mla_kernel_for(pool(KvLayout::kFp8Scaled, ScalePolicy::kAmax)),
+            AttentionKernel::kMmaSync);
+  EXPECT_FALSE(sparse_mla_wgmma_reads(pool(KvLayout::kFp8Scaled, ScalePolicy::kAmax)));
+}
+
 // The wgmma kernel's preconditions, decided on the host before anything touches the device (the
 // views' addresses are never dereferenced): an instance for the head dims and operands TMA can
 // address. kAuto falls back to mma.sync; forcing wgmma is kUnsupported naming what it needs.

@@ -51,11 +51,10 @@ bool sparse_mla_wgmma_reads(const KvPoolDesc& desc) {
   return desc.layout != KvLayout::kFp8Scaled || desc.scale_policy == ScalePolicy::kPow2;
 }
 
-AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc, int64_t num_heads) {
+AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc) {
   const bool compiled = cuda::attention::dispatch_sparse_mla_sm90(desc.layout, [](auto) {});
-  const bool faster = desc.layout != KvLayout::kFp8Scaled || num_heads > 16;
-  return compiled && sparse_mla_wgmma_reads(desc) && faster ? AttentionKernel::kWgmma
-                                                            : AttentionKernel::kMmaSync;
+  return compiled && sparse_mla_wgmma_reads(desc) ? AttentionKernel::kWgmma
+                                                  : AttentionKernel::kMmaSync;
 }
 
 void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, AttentionKernel kernel) {
@@ -98,7 +97,7 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, AttentionKerne
   DSAKIT_CHECK(desc.bytes_per_token() == kernel_pool_row_bytes(desc.layout), kInternal, kOp,
                ": pool rows of ", desc.bytes_per_token(), " B, the kernel reads ",
                kernel_pool_row_bytes(desc.layout), " B for layout ", to_string(desc.layout));
-  if (kernel == AttentionKernel::kAuto) kernel = sparse_mla_kernel_for(desc, num_heads);
+  if (kernel == AttentionKernel::kAuto) kernel = sparse_mla_kernel_for(desc);
   cudaError_t status = cudaSuccess;
   if (kernel == AttentionKernel::kWgmma) {
     DSAKIT_CHECK(sparse_mla_wgmma_reads(desc), kUnsupported, kOp,

@@ -18,17 +18,15 @@ namespace dsakit {
 // (src/cuda/sm90/), or kAuto: sparse_mla_kernel_for() / dense_mha_kernel_for() choose per call.
 enum class AttentionKernel { kAuto, kMmaSync, kWgmma };
 
-// Whether the wgmma kernel computes this pool's function: it widens each fp8 value to
-// bf16(code · scale) in shared memory, which is exact for bf16 and fp8-raw pools (raw codes;
-// k_scale multiplies S and O) and for 656-byte pools whose tile scales are powers of two
-// (ScalePolicy::kPow2); amax scales would round each value once, so those pools are refused
+// Whether the wgmma kernel computes this pool's function: its producer widens each fp8 value to
+// bf16(code · scale), which is exact for bf16 and fp8-raw pools (raw codes; k_scale multiplies S
+// and O) and for 656-byte pools whose tile scales are powers of two (ScalePolicy::kPow2); amax scales would round each value once, so those pools are refused
 // (the mma.sync kernel applies their scales in fp32).
 bool sparse_mla_wgmma_reads(const KvPoolDesc& desc);
 
-// The kernel kAuto runs for a pool and head count (measured on the H200, docs/perf.md): the
-// wgmma kernel where it has an instance (instances.h) and reads the pool exactly, except for
-// 656-byte pools with H <= 16, where the mma.sync kernel's 16-head groups are faster.
-AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc, int64_t num_heads);
+// The kernel kAuto runs for a pool (measured on the H200 at every head count, docs/perf.md): the
+// wgmma kernel where it has an instance (instances.h) and reads the pool exactly, else mma.sync.
+AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc);
 
 // Sparse MLA (docs/design.md, "Sparse MLA"), prefill and decode: q_abs / q_pe / o_lat bf16, d_c
 // 512, d_rope 64, H in [1, 128], any top-k, pool layouts bf16 | fp8 | fp8-raw read by location.
