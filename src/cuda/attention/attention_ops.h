@@ -20,8 +20,9 @@ enum class AttentionKernel { kAuto, kMmaSync, kWgmma };
 
 // Whether the wgmma kernel computes this pool's function: its producer widens each fp8 value to
 // bf16(code · scale), which is exact for bf16 and fp8-raw pools (raw codes; k_scale multiplies S
-// and O) and for 656-byte pools whose tile scales are powers of two (ScalePolicy::kPow2); amax scales would round each value once, so those pools are refused
-// (the mma.sync kernel applies their scales in fp32).
+// and O) and for 656-byte pools whose tile scales are powers of two (ScalePolicy::kPow2); amax
+// scales would round each value once, so those pools are refused (the mma.sync kernel applies
+// their scales in fp32).
 bool sparse_mla_wgmma_reads(const KvPoolDesc& desc);
 
 // The kernel kAuto runs for a pool (measured on the H200 at every head count, docs/perf.md): the

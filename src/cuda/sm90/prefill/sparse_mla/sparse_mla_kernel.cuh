@@ -303,8 +303,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     for (int b = 0; b < 2; ++b)
       for (int h = 0; h < 2; ++h) {
         // The 656-byte layout's R half: 128 stores + 128 cp.async completions (its rope tile).
-        sm90::mbarrier_init(bar_full(b, h),
-                            kLayout == KvLayout::kFp8Scaled && h == 1 ? 256 : 128);
+        sm90::mbarrier_init(bar_full(b, h), kLayout == KvLayout::kFp8Scaled && h == 1 ? 256 : 128);
         sm90::mbarrier_init(bar_empty(b, h), 128);
       }
     sm90::mbarrier_init(bar_valid, 128);
@@ -347,9 +346,8 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
           const int buffer = step & 1, half = ((step + 1) >> 1) & 1;
           sm90::mbarrier_wait(bar_empty(buffer, half), free_phase);
           const BlockRows rows = block_rows(p, slots, 2 * it + buffer, num_slots, group);
-          load_half_bf16(p, rows, buffer == 0 ? k0_tiles : k1_tiles,
-                         half == 0 ? 0 : C::kHalfTiles, half == 0 ? C::kHalfTiles : C::kTiles,
-                         group, lane8);
+          load_half_bf16(p, rows, buffer == 0 ? k0_tiles : k1_tiles, half == 0 ? 0 : C::kHalfTiles,
+                         half == 0 ? C::kHalfTiles : C::kTiles, group, lane8);
           sm90::cp_async_mbarrier_arrive(bar_full(buffer, half));
           // A buffer's flags are read only by its own group, which has masked the previous
           // iteration once it released its first half of it (steps 0 and 1).
