@@ -90,11 +90,10 @@ struct Sm90Config {
 
 // The producer's share of one block: the pool locations of rows group + 16 i (i < 4) of the
 // block, -1 where the row is invalid (slot >= num_slots, location out of range); invalid rows
-// read location 0 and are zero-filled.
+// are zero-filled.
 struct BlockRows {
   int32_t loc[4];
   __device__ bool ok(int i) const { return loc[i] >= 0; }
-  __device__ int32_t address_row(int i) const { return max(loc[i], 0); }
 };
 
 __device__ __forceinline__ BlockRows block_rows(const SparseMlaParams& p, const int32_t* slots,
@@ -109,9 +108,11 @@ __device__ __forceinline__ BlockRows block_rows(const SparseMlaParams& p, const 
   return r;
 }
 
+// Pool row `loc`, or row 0 for an invalid location (< 0): a mapped address that the zero-filling
+// copies and predicated loads never read.
 template <KvLayout kLayout>
 __device__ __forceinline__ const uint8_t* pool_row(const SparseMlaParams& p, int32_t loc) {
-  return p.kv_pool + int64_t(loc) * PoolRow<kLayout>::kBytes;
+  return p.kv_pool + int64_t(max(loc, 0)) * PoolRow<kLayout>::kBytes;
 }
 
 // bf16 pools: cp.async of tiles [tile_begin, tile_end) of a block's rows straight into the
@@ -123,7 +124,7 @@ __device__ __forceinline__ void load_half_bf16(const SparseMlaParams& p, const B
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = group + 16 * i;
-    const uint8_t* src = pool_row<KvLayout::kBf16>(p, rows.address_row(i));
+    const uint8_t* src = pool_row<KvLayout::kBf16>(p, rows.loc[i]);
 #pragma unroll
     for (int tile = tile_begin; tile < tile_end; ++tile)
       sm90::cp_async_16_prefetch(
@@ -148,7 +149,7 @@ __device__ __forceinline__ void load_row_fp8(const SparseMlaParams& p, int32_t l
                                              Fp8Row& staged) {
   using Row = PoolRow<kLayout>;
   const bool ok = loc >= 0;
-  const uint8_t* src = pool_row<kLayout>(p, max(loc, 0));
+  const uint8_t* src = pool_row<kLayout>(p, loc);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
     staged.codes[j] = sm90::ld_global_nc_u32x4(src + 256 * kHalf + 128 * j + 16 * lane8, ok);
@@ -190,7 +191,7 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
   const bool ok = loc >= 0;
   // The row's address is recomputed here, not held from its load a step earlier.
   asm volatile("" : "+r"(loc));
-  const uint8_t* src = pool_row<kLayout>(p, max(loc, 0));
+  const uint8_t* src = pool_row<kLayout>(p, loc);
   float2 scales = {1.f, 1.f};
   if constexpr (kLayout == KvLayout::kFp8Scaled)
     if (ok)
@@ -337,7 +338,14 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     sm90::cp_async_mbarrier_arrive(bar_q);
 
     // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
-    // an iteration), each on its buffer's empty barrier of the iteration's parity.
+    // an iteration), each on its buffer's empty barrier of the iteration's parity. A buffer's
+    // valid flags are written at steps 0 and 1: they are read only by the buffer's own group,
+    // which has masked the previous iteration once it released its first half of the buffer.
+    const auto store_flags = [&](int buffer, const BlockRows& rows) {
+      if (lane8 == 0)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
+    };
     if constexpr (kLayout == KvLayout::kBf16) {
       for (int it = 0; it < num_iters; ++it) {
         const uint32_t free_phase = (it & 1) ^ 1;
@@ -349,11 +357,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
           load_half_bf16(p, rows, buffer == 0 ? k0_tiles : k1_tiles, half == 0 ? 0 : C::kHalfTiles,
                          half == 0 ? C::kHalfTiles : C::kTiles, group, lane8);
           sm90::cp_async_mbarrier_arrive(bar_full(buffer, half));
-          // A buffer's flags are read only by its own group, which has masked the previous
-          // iteration once it released its first half of it (steps 0 and 1).
-          if (step < 2 && lane8 == 0)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
+          if (step < 2) store_flags(buffer, rows);
           if (step == 1) sm90::mbarrier_arrive(bar_valid);
         }
       }
@@ -390,17 +394,8 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
         // The 656-byte layout's R half also waits for its rope copies (a second arrival each).
         if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
           sm90::cp_async_mbarrier_arrive(full);
-        if constexpr (kBuffer == 0 && kHalf == 0) {  // see the bf16 loop on the flags
-          if (lane8 == 0)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) valid[group + 16 * i] = rows[0].ok(i);
-        }
-        if constexpr (kBuffer == 1 && kHalf == 1) {
-          if (lane8 == 0)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) valid[C::kBlock + group + 16 * i] = rows[1].ok(i);
-          sm90::mbarrier_arrive(bar_valid);
-        }
+        if constexpr (kBuffer == kHalf) store_flags(kBuffer, rows[kBuffer]);  // steps 0 and 1
+        if constexpr (kBuffer == 1 && kHalf == 1) sm90::mbarrier_arrive(bar_valid);
       };
       using Zero = std::integral_constant<int, 0>;
       using One = std::integral_constant<int, 1>;
