@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -471,14 +472,37 @@ std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int6
   }
   be.options() = previous;  // host_value_checks stays off
   Tensor top = be.empty(DType::kI32, {t, k});
-  rows.push_back({shape, "topk",
+  // Each block size of the top-k kernel, then its choice by width ("topk").
+  for (int threads : {256, 512, 1024, 0}) {
+    be.options().topk_threads = threads;
+    rows.push_back({shape, threads ? fmt::format("topk t{}", threads) : std::string("topk"),
+                    time_ms(
+                        be, [&](int) { be.topk(logits, ctx, k, top); }, runs),
+                    0, 4.0 * pairs});
+  }
+  rows.push_back({shape, "quantize_q",
                   time_ms(
-                      be, [&](int) { be.topk(logits, ctx, k, top); }, runs),
-                  0, 4.0 * pairs});
+                      be, [&](int) { be.indexer_quantize_q(idx_q, idx_w, q8, gate); }, runs),
+                  0, double(t * hi) * (2.0 * di + di + 8)});
   rows.push_back({shape, "indexer_topk",
                   time_ms(
                       be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
                   0, 0});
+  // The same on the wgmma logits (the opt-in kernel), and with every row in one block (no
+  // 256 MiB bound): what the blocking costs.
+  be.options().indexer_kernel = cuda::IndexerKernel::kWgmma;
+  rows.push_back({shape, "indexer_topk wgmma",
+                  time_ms(
+                      be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
+                  0, 0});
+  be.options().indexer_kernel = previous.indexer_kernel;
+  const std::string bound = fmt::format("{}", int64_t(t) * (hi * di + 4 * hi + 4 * t));
+  setenv("DSAKIT_INDEXER_WORKSPACE_BYTES", bound.c_str(), 1);
+  rows.push_back({shape, "indexer_topk 1blk",
+                  time_ms(
+                      be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
+                  0, 0});
+  unsetenv("DSAKIT_INDEXER_WORKSPACE_BYTES");
   be.options().host_value_checks = true;
   return rows;
 }
@@ -562,8 +586,8 @@ int main(int argc, char** argv) {
     const ModelConfig ds = ModelConfig::preset("deepseek-v3.2");
     const ModelConfig glm = ModelConfig::preset("glm-5");
     if (indexer) {
-      for (int64_t t :
-           quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 8192, 16384, 32768}) {
+      for (int64_t t : quick ? std::vector<int64_t>{4096}
+                             : std::vector<int64_t>{4096, 8192, 16384, 32768, 65536}) {
         auto r = bench_indexer(be, ds, t);
         rows.insert(rows.end(), r.begin(), r.end());
       }

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-SHAPES = [4096, 8192, 16384, 32768]
+SHAPES = [4096, 8192, 16384, 32768, 65536]
 K = 2048
 
 

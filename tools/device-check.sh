@@ -14,7 +14,7 @@
 #   8. (explicit only) `sparsebench`: `dsakit_bench_cuda --sparse` (every compiled sparse MLA
 #      kernel per shape and the row-gather bound) into $OUT/bench_sparse.{txt,json}.
 #   9. (explicit only) `indexerbench`: `dsakit_bench_cuda --indexer` (each logits kernel, top-k,
-#      indexer_topk at 4K-32K tokens) and the torch.topk peer (bench/peer_topk.py) in the same
+#      indexer_topk at 4K-64K tokens) and the torch.topk peer (bench/peer_topk.py) in the same
 #      call, into $OUT/bench_indexer.{txt,json} and $OUT/peer_topk.{txt,json}.
 #  10. (explicit only) `densebench`: `dsakit_bench_cuda --dense` (every compiled dense MHA kernel
 #      per shape: fresh prompts 1K-16K, TP shards, varlen batches with prefixes) and the cuDNN

@@ -422,7 +422,11 @@ void CudaBackend::topk(const TensorView& logits, const TensorView& ctx_len, int 
   const TopkParams p{logits.ptr<const float>(), ctx_len.ptr<const int32_t>(),
                      out.ptr<int32_t>(),        logits.shape[0],
                      logits.shape[1],           k};
-  DSAKIT_CUDA_CHECK(launch_topk(p, stream_));
+  DSAKIT_CHECK_ARG(options_.topk_threads == 0 || options_.topk_threads == 256 ||
+                       options_.topk_threads == 512 || options_.topk_threads == 1024,
+                   "CudaBackendOptions::topk_threads: expected 0, 256, 512 or 1024, got ",
+                   options_.topk_threads);
+  DSAKIT_CUDA_CHECK(launch_topk(p, options_.topk_threads, stream_));
 }
 
 void CudaBackend::positions_to_locations(const TensorView& positions, const TensorView& kv_locs,

@@ -47,6 +47,9 @@ struct CudaBackendOptions {
   // The dense MHA kernel: kAuto chooses per call (dense_mha_kernel_for); the environment
   // variable DSAKIT_DENSE_MHA_KERNEL (auto | sm80 | sm90) overrides it.
   AttentionKernel dense_mha_kernel = AttentionKernel::kAuto;
+  // Threads per row of the top-k kernel: 0 chooses by row width (topk_threads_for), else 256,
+  // 512 or 1024 (the benchmark and the tests run each).
+  int topk_threads = 0;
 };
 
 class CudaBackend final : public Backend {
@@ -74,6 +77,10 @@ class CudaBackend final : public Backend {
     return previous;
   }
   HostIndexValues host_index_values(const TensorView& t) const override;
+  int64_t device_bytes_held() const override {
+    const MemoryStats m = memory_stats();
+    return int64_t(m.arena_bytes + m.workspace_bytes);
+  }
   int64_t dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope,
                                   int d_v) const override;
 

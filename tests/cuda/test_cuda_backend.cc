@@ -288,9 +288,14 @@ TEST_F(CudaBackendTest, KernelsSkipOutOfRangeLocationsWithoutHostChecks) {
 
 // ---- indexer --------------------------------------------------------------------------------
 
+// Every block size of the top-k kernel (and the choice by width) on rows past the keys it keeps
+// in shared memory (70000), rows that fit (3000, 20000), and both ways to the k-th key: through
+// the candidate list (normal scores) and over the whole row when the k-th key's coarse bin holds
+// more keys than the list takes (scores on a quarter grid, 70000 wide: thousands equal).
 TEST_F(CudaBackendTest, TopkIsBitIdenticalToCpuOnWideRows) {
   SCOPED_TRACE(trace());
-  for (const auto& [width, k] : {std::pair<int64_t, int>{70000, 2048}, {3000, 512}, {300, 1}}) {
+  for (const auto& [width, k] :
+       {std::pair<int64_t, int>{70000, 2048}, {20000, 2048}, {3000, 512}, {300, 1}}) {
     SCOPED_TRACE("width " + std::to_string(width) + " k " + std::to_string(k));
     const int64_t rows = 5;
     Tensor logits = Tensor::host(DType::kF32, {rows, width});
@@ -304,14 +309,53 @@ TEST_F(CudaBackendTest, TopkIsBitIdenticalToCpuOnWideRows) {
         if (p % 89 == 7) v = (p & 1) ? 0.f : -0.f;
         logits.ptr<float>()[r * width + p] = v;
       }
-    const Tensor out = gpu_->empty(DType::kI32, {rows, k});
-    gpu_->fill_bytes(out.view(), 0x5A);
-    gpu_->topk(gpu_->to_device(logits), gpu_->to_device(host_i32(ctx)), k, out);
     Tensor want = Tensor::host(DType::kI32, {rows, k});
     cpu_->topk(logits, host_i32(ctx), k, want);
-    EXPECT_EQ(i32_values(gpu_->to_host(out)), i32_values(want));
     EXPECT_EQ(i32_values(want),
               reference::topk(reference::to_vec(logits.view()), rows, width, ctx, k));
+    const Tensor device_logits = gpu_->to_device(logits),
+                 device_ctx = gpu_->to_device(host_i32(ctx));
+    for (int threads : {0, 256, 512, 1024}) {
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      cuda().options().topk_threads = threads;
+      const Tensor out = poisoned(DType::kI32, {rows, k});
+      gpu_->topk(device_logits, device_ctx, k, out);
+      EXPECT_EQ(i32_values(gpu_->to_host(out)), i32_values(want));
+    }
+  }
+  cuda().options().topk_threads = 384;
+  const Tensor out = poisoned(DType::kI32, {1, 1});
+  EXPECT_THROW(gpu_->topk(gpu_->to_device(Tensor::host(DType::kF32, {1, 4})),
+                          gpu_->to_device(host_i32({4})), 1, out),
+               Error);
+}
+
+// Every bf16 bit pattern through the query quantizer, at d_i = 128 (the multi-row kernel) and
+// d_i = 64 (the one-row kernel): rows of consecutive patterns (each row's scale from its own
+// amax, with rows of subnormals, of infinities and of NaNs) and the same patterns shuffled (small
+// values under large scales, saturation at ±448); codes and gates byte-identical to the CPU's.
+TEST_F(CudaBackendTest, QuantizeQIsBitIdenticalToCpuForEveryBf16) {
+  SCOPED_TRACE(trace());
+  std::vector<uint16_t> patterns(65536);
+  std::iota(patterns.begin(), patterns.end(), uint16_t{0});
+  for (bool shuffled : {false, true}) {
+    if (shuffled)
+      for (size_t i = patterns.size() - 1; i > 0; --i)
+        std::swap(patterns[i], patterns[size_t(rng().randint(0, int64_t(i)))]);
+    for (int64_t d : {128, 64}) {
+      SCOPED_TRACE((shuffled ? "shuffled, d " : "ordered, d ") + std::to_string(d));
+      const int64_t h = 4, t = int64_t(patterns.size()) / (h * d);
+      Tensor x = Tensor::host(DType::kBF16, {t, h, d});
+      std::memcpy(x.ptr<bf16_t>(), patterns.data(), patterns.size() * sizeof(uint16_t));
+      const Tensor w = testing::random_tensor(rng(), DType::kF32, {t, h});
+      const Tensor q8 = poisoned(DType::kU8, {t, h, d}), gate = poisoned(DType::kF32, {t, h});
+      gpu_->indexer_quantize_q(gpu_->to_device(x), gpu_->to_device(w), q8, gate);
+      Tensor q8_cpu = Tensor::host(DType::kU8, {t, h, d});
+      Tensor gate_cpu = Tensor::host(DType::kF32, {t, h});
+      cpu_->indexer_quantize_q(x, w, q8_cpu, gate_cpu);
+      EXPECT_TRUE(same_bytes(gpu_->to_host(q8), q8_cpu));
+      EXPECT_TRUE(same_bytes(gpu_->to_host(gate), gate_cpu));
+    }
   }
 }
 

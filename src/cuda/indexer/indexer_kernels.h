@@ -80,7 +80,10 @@ cudaError_t launch_indexer_logits_tc(const IndexerLogitsParams& p, cudaStream_t 
 // query codes; its fp8 accumulation is ~1e-4 rel-L2 from fp32 (the kernel header).
 bool indexer_logits_sm90_supported(const IndexerLogitsParams& p);
 cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, cudaStream_t stream);
-cudaError_t launch_topk(const TopkParams& p, cudaStream_t stream);
+// threads: the block size per row (256, 512 or 1024), 0 for topk_threads_for(p.width); any
+// other value is cudaErrorInvalidValue.
+cudaError_t launch_topk(const TopkParams& p, int threads, cudaStream_t stream);
+int topk_threads_for(int64_t width);
 cudaError_t launch_positions_to_locations(const PositionsToLocationsParams& p, cudaStream_t stream);
 
 namespace indexer_sm90 {
