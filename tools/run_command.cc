@@ -47,6 +47,7 @@ struct Progress {
 struct MemoryReport {
   int64_t pool_bytes = 0;
   int64_t peak_workspace_bytes = 0;
+  int64_t device_held_bytes = 0;  // the backend's device memory after the steps (their peak)
   int64_t max_rss_bytes = 0;
 };
 
@@ -133,6 +134,7 @@ void print_run_json(const RunOptions& opt, const RunState& run, const StepSummar
   j["wall_ms"] = run.wall_ms;
   j["memory"] = {{"pool_bytes", mem.pool_bytes},
                  {"peak_layer_workspace_bytes", mem.peak_workspace_bytes},
+                 {"device_held_bytes", mem.device_held_bytes},
                  {"max_rss_bytes", mem.max_rss_bytes}};
   if (opt.verify)
     j["verify"] = {{"tokens", vr.tokens},
@@ -159,9 +161,10 @@ void print_run_text(const RunOptions& opt, const RunState& run, const StepSummar
   fmt::print("  {:<18} {:>10.3f}   (wall {:.1f} ms incl. host staging)\n", "total", sum,
              run.wall_ms);
   fmt::print(
-      "memory   pools {:.1f} MiB, layer workspace {:.1f} MiB (peak estimate over steps), max "
-      "RSS {:.1f} MiB\n",
-      mib(mem.pool_bytes), mib(mem.peak_workspace_bytes), mib(mem.max_rss_bytes));
+      "memory   pools {:.1f} MiB, layer workspace {:.1f} MiB (peak estimate over steps), device "
+      "held {:.1f} MiB (peak), max RSS {:.1f} MiB\n",
+      mib(mem.pool_bytes), mib(mem.peak_workspace_bytes), mib(mem.device_held_bytes),
+      mib(mem.max_rss_bytes));
   if (opt.verify)
     fmt::print(
         "verify   {} tokens ({} via top-k): o rel-L2 {:.3e} (tol {:.1e}), lse max abs {:.3e} "
@@ -326,6 +329,7 @@ int run_command(const RunOptions& opt) {
   run_layer_steps(opt, run);
   const StepSummary steps = summarize_steps(run);
   MemoryReport mem = memory_report(run);
+  mem.device_held_bytes = run.be->device_bytes_held();  // the steps' peak, before verify
   VerifyResult vr;
   if (opt.verify) vr = verify_run(opt, run);
   if (!opt.save.empty()) write_run_file(opt.save, opt, run, steps.plan_text());

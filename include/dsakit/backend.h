@@ -170,6 +170,10 @@ class Backend {
   virtual HostIndexValues host_index_values(const TensorView& t) const;
 
   // ---- workspace ----------------------------------------------------------------------
+  // Device memory this backend holds now: its cached tensor blocks and its scratch workspace.
+  // Blocks go back to the backend's cache, never to the driver, so this is the peak since the
+  // backend was made. 0 on the CPU (its tensors are ordinary heap memory).
+  virtual int64_t device_bytes_held() const { return 0; }
   // Device scratch an op allocates beyond its arguments, in bytes, from shapes alone: the
   // layer's workspace bound (DsaAttention::workspace_bytes) adds these to its own tensors.
   // dense_mha over num_kv key rows of num_heads heads:
