@@ -369,10 +369,11 @@ IndexerKernel choose_logits_kernel(IndexerKernel requested, const IndexerLogitsP
   return IndexerKernel::kScalar;
 }
 
-cudaError_t launch_logits(IndexerKernel kernel, const IndexerLogitsParams& p, cudaStream_t stream) {
+cudaError_t launch_logits(IndexerKernel kernel, const IndexerLogitsParams& p, int key_splits,
+                          cudaStream_t stream) {
   switch (kernel) {
     case IndexerKernel::kWgmma:
-      return launch_indexer_logits_sm90(p, stream);
+      return launch_indexer_logits_sm90(p, key_splits, stream);
     case IndexerKernel::kTensorCore:
       return launch_indexer_logits_tc(p, stream);
     case IndexerKernel::kScalar:
@@ -411,7 +412,10 @@ void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_
   p.skip_ctx_at_most = options.skip_ctx_at_most;
   p.fill_masked = options.fill_masked;
   const IndexerKernel kernel = choose_logits_kernel(indexer_kernel(options_), p, device_);
-  DSAKIT_CUDA_CHECK(launch_logits(kernel, p, stream_));
+  DSAKIT_CHECK_ARG(options_.indexer_key_splits >= 0,
+                   "CudaBackendOptions::indexer_key_splits: expected >= 0, got ",
+                   options_.indexer_key_splits);
+  DSAKIT_CUDA_CHECK(launch_logits(kernel, p, options_.indexer_key_splits, stream_));
 }
 
 void CudaBackend::topk(const TensorView& logits, const TensorView& ctx_len, int k,

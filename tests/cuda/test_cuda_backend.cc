@@ -599,6 +599,13 @@ TEST_F(CudaBackendTest, TensorCoreLogitsMatchScalarKernelAndCpu) {
           EXPECT_GT(vs_scalar, 0.0) << "the wgmma kernel ran (its sums differ from fp32)";
         }
 
+        // The wgmma kernel's key splits (more CTAs than tiles included): the same bits.
+        for (int splits : wgmma ? std::vector<int>{2, 3, 5} : std::vector<int>{}) {
+          cuda().options().indexer_key_splits = splits;
+          EXPECT_EQ(gpu_logits(kernel, 0, b.tokens), got) << "key splits " << splits;
+        }
+        cuda().options().indexer_key_splits = 0;
+
         // A row range starting mid-batch (row_begin not a multiple of the CTA's row group).
         const int64_t r0 = 5, r1 = b.tokens - 3;
         const std::vector<double> part = gpu_logits(kernel, r0, r1);
@@ -608,6 +615,46 @@ TEST_F(CudaBackendTest, TensorCoreLogitsMatchScalarKernelAndCpu) {
     }
   }
   cuda().options().indexer_kernel = cuda::CudaBackendOptions{}.indexer_kernel;
+}
+
+// A few rows over a long context: the wgmma kernel's own choice splits the key range (four row
+// groups on a 132-SM device), and the logits are the bits of the unsplit grid; rows past the
+// context keep their poison (fill_masked off, as indexer_topk runs it).
+TEST_F(CudaBackendTest, WgmmaLogitsKeySplitsKeepTheBits) {
+  SCOPED_TRACE(trace());
+  const int extend = 20, prefix = 3000, h_i = 64;
+  const IndexerScene s = make_indexer_scene(*gpu_, rng(), prefix, extend, h_i);
+  IndexerArgs a = s.layout();
+  const Tensor q8 = poisoned(DType::kU8, {extend, h_i, 128}),
+               gate = poisoned(DType::kF32, {extend, h_i});
+  gpu_->indexer_quantize_q(gpu_->to_device(s.idx_q), gpu_->to_device(s.idx_w), q8, gate);
+  a.q8 = q8.view();
+  a.gate = gate.view();
+  const int64_t width = prefix + extend + 100;
+  cuda().options().indexer_kernel = cuda::IndexerKernel::kWgmma;
+  auto logits = [&](int splits, bool fill) {
+    cuda().options().indexer_key_splits = splits;
+    IndexerLogitsOptions o;
+    o.fill_masked = fill;
+    const Tensor out = poisoned(DType::kF32, {extend, width});
+    gpu_->indexer_logits(a, 0, extend, out, o);
+    return gpu_->to_host(out);
+  };
+  const Tensor one = logits(1, true);
+  EXPECT_TRUE(same_bytes(logits(0, true), one));
+  EXPECT_TRUE(same_bytes(logits(7, true), one));
+  const Tensor unfilled = logits(0, false), poison = poisoned(DType::kF32, {extend, width});
+  const Tensor poison_host = gpu_->to_host(poison);
+  for (int64_t r = 0; r < extend; ++r) {
+    const int64_t ctx = prefix + r + 1, row = r * width;
+    EXPECT_EQ(std::memcmp(unfilled.ptr<float>() + row, one.ptr<float>() + row, 4 * size_t(ctx)), 0)
+        << "row " << r;
+    EXPECT_EQ(std::memcmp(unfilled.ptr<float>() + row + ctx, poison_host.ptr<float>() + row + ctx,
+                          4 * size_t(width - ctx)),
+              0)
+        << "row " << r << " past its context";
+  }
+  cuda().options() = cuda::CudaBackendOptions{};
 }
 
 TEST_F(CudaBackendTest, TensorCoreTopkDiffersFromCpuOnlyAtNearTies) {

@@ -11,7 +11,8 @@
 // that share those keys.
 //
 // One CTA of kConsumers + 1 warpgroups per kCtaTokens consecutive rows of the batch (one
-// request, normally):
+// request, normally) and part of the key tiles (key_splits CTAs per row group when the row
+// groups alone would leave SMs idle, indexer_logits_key_splits):
 //   the last WG (producer): the CTA's query codes and gates once, then the key rows of every
 //     64-key tile of positions [0, context) gathered by location (cp.async, 16 B, completing on
 //     the stage's mbarrier) into a kStages ring, with each row's scale and a valid flag.
@@ -42,6 +43,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "src/cuda/common/device_utils.cuh"
@@ -122,9 +124,21 @@ __device__ __forceinline__ bool cta_segment(const CtaRows<kRows>& rows, int seg,
   return false;
 }
 
+// CTAs per row group over the key tiles: one CTA per SM is resident, so a grid of fewer than
+// kCtasPerSm · sms CTAs (a short chunk of rows, or the driver's narrow row blocks of a long
+// prompt) leaves SMs idle at its end; its key range is split until the grid has that many CTAs,
+// keeping at least kMinTilesPerSplit tiles (1,024 keys) per CTA so the query staging stays
+// small against the keys.
+inline int indexer_logits_key_splits(int64_t groups, int64_t max_tiles, int sms) {
+  constexpr int64_t kCtasPerSm = 4, kMinTilesPerSplit = 16;
+  const int64_t want = (kCtasPerSm * sms + groups - 1) / std::max<int64_t>(groups, 1);
+  const int64_t most = std::max<int64_t>(1, max_tiles / kMinTilesPerSplit);
+  return int(std::max<int64_t>(1, std::min(want, most)));
+}
+
 template <int kHeads>
 __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
-    indexer_logits_sm90_kernel(const __grid_constant__ IndexerLogitsParams p) {
+    indexer_logits_sm90_kernel(const __grid_constant__ IndexerLogitsParams p, int key_splits) {
   using C = LogitsConfig<kHeads>;
   extern __shared__ __align__(1024) uint8_t smem[];
   const uint32_t base = smem_addr(smem);
@@ -135,11 +149,18 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
   float* scale_s = reinterpret_cast<float*>(smem + C::kScale);
   uint8_t* valid_s = smem + C::kValid;
 
-  // Row groups last to first: later rows of a prefill see longer contexts, so the long CTAs
-  // start first.
+  // CTA b takes row group groups − 1 − b / splits (last to first: later rows of a prefill see
+  // longer contexts, so the long CTAs start first) and part b % splits of each segment's tiles.
   const int64_t num_rows = p.row_end - p.row_begin;
   const int64_t groups = (num_rows + C::kCtaTokens - 1) / C::kCtaTokens;
-  const int64_t row0 = (groups - 1 - int64_t(blockIdx.x)) * C::kCtaTokens;  // block-relative
+  const int splits = key_splits, split = int(blockIdx.x % unsigned(key_splits));
+  const int64_t row0 = (groups - 1 - int64_t(blockIdx.x / unsigned(key_splits))) * C::kCtaTokens;
+  // This CTA's tiles [begin, end) of a segment whose rows see at most `limit` positions.
+  const auto split_tiles = [&](int64_t limit, int64_t& begin, int64_t& end) {
+    const int64_t tiles = (limit + C::kKeys - 1) / C::kKeys, per = (tiles + splits - 1) / splits;
+    begin = min(tiles, split * per);
+    end = min(tiles, begin + per);
+  };
 
   CtaRows<C::kCtaTokens>& rows = *reinterpret_cast<CtaRows<C::kCtaTokens>*>(smem + C::kRowPlan);
   if (threadIdx.x < C::kCtaTokens) {
@@ -197,10 +218,12 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
     int n = 0;  // tiles staged so far (all segments)
     int64_t start, limit;
     for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
-      int32_t next = location(start, limit, 0);
-      for (int64_t tile0 = 0; tile0 < limit; tile0 += C::kKeys, ++n) {
+      int64_t begin, end;
+      split_tiles(limit, begin, end);
+      int32_t next = begin < end ? location(start, limit, begin * C::kKeys) : -1;
+      for (int64_t i = begin; i < end; ++i, ++n) {
         const int32_t loc = next;
-        if (tile0 + C::kKeys < limit) next = location(start, limit, tile0 + C::kKeys);
+        if (i + 1 < end) next = location(start, limit, (i + 1) * C::kKeys);
         const int stage = n % C::kStages;
         const bool ok = loc >= 0;
         const int32_t page = ok ? loc / p.page_size : 0, slot = ok ? loc - page * p.page_size : 0;
@@ -306,17 +329,17 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
       const int cr = wg * kT + r;
       mine[r] = rows.ctx[cr] >= 0 && rows.start[cr] == start;
     }
-    const int tiles = int((limit + C::kKeys - 1) / C::kKeys);
-    for (int i = 0; i < tiles; ++i) {
-      issue_tile(acc, n + i);
+    int64_t begin, end;
+    split_tiles(limit, begin, end);
+    for (int64_t i = begin; i < end; ++i, ++n) {
+      issue_tile(acc, n);
       sm90::wgmma_wait<0>();
-      finish_tile(acc, n + i, int64_t(i) * C::kKeys, mine);
+      finish_tile(acc, n, i * C::kKeys, mine);
     }
-    n += tiles;
   }
 
-  // fill_masked: positions [ctx, width) of this group's computed rows are -inf.
-  if (p.fill_masked) {
+  // fill_masked: positions [ctx, width) of this group's computed rows are -inf (split 0's work).
+  if (p.fill_masked && split == 0) {
     const int gtid = threadIdx.x % 128;
     for (int r = 0; r < kT; ++r) {
       const int cr = wg * kT + r;
@@ -328,20 +351,34 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
 }
 
 // Launch for H_i = kHeads; cudaErrorInvalidConfiguration when indexer_logits_sm90_accepts()
-// does not hold (the caller checks it first and runs another kernel).
+// does not hold (the caller checks it first and runs another kernel). key_splits: CTAs per row
+// group, each over a contiguous part of the key tiles (every position is still written by one
+// CTA, with the same sums: the logits do not depend on it); 0 lets indexer_logits_key_splits
+// choose.
 template <int kHeads>
-cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, cudaStream_t stream) {
+cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits,
+                                    cudaStream_t stream) {
   using C = LogitsConfig<kHeads>;
   const int64_t rows = p.row_end - p.row_begin;
   if (rows <= 0 || p.width <= 0) return cudaSuccess;
-  if (p.h_i != kHeads || !indexer_logits_sm90_accepts(p)) return cudaErrorInvalidConfiguration;
+  if (p.h_i != kHeads || !indexer_logits_sm90_accepts(p) || key_splits < 0)
+    return cudaErrorInvalidConfiguration;
   const int64_t groups = (rows + C::kCtaTokens - 1) / C::kCtaTokens;
-  if (groups > INT32_MAX) return cudaErrorInvalidValue;
+  int splits = key_splits;
+  if (splits == 0) {
+    int device = 0, sms = 0;
+    cudaError_t status = cudaGetDevice(&device);
+    if (status == cudaSuccess)
+      status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (status != cudaSuccess) return status;
+    splits = indexer_logits_key_splits(groups, (p.width + C::kKeys - 1) / C::kKeys, sms);
+  }
+  if (groups * splits > INT32_MAX) return cudaErrorInvalidValue;
   auto* kernel = &indexer_logits_sm90_kernel<kHeads>;
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (status != cudaSuccess) return status;
-  kernel<<<unsigned(groups), C::kThreads, C::kSmemBytes, stream>>>(p);
+  kernel<<<unsigned(groups * splits), C::kThreads, C::kSmemBytes, stream>>>(p, splits);
   return cudaGetLastError();
 }
 
@@ -350,4 +387,4 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, cudaStream_t s
 // One row of DSAKIT_INDEXER_LOGITS_SM90_INSTANCES (src/cuda/attention/instances.h).
 #define DSAKIT_INSTANTIATE_INDEXER_LOGITS_SM90(kHeads)                              \
   template cudaError_t dsakit::cuda::indexer_sm90::run_indexer_logits_sm90<kHeads>( \
-      const dsakit::cuda::IndexerLogitsParams&, cudaStream_t);
+      const dsakit::cuda::IndexerLogitsParams&, int, cudaStream_t);
