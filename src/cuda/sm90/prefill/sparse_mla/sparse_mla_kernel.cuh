@@ -162,19 +162,32 @@ __device__ __forceinline__ void load_row_fp8(const SparseMlaParams& p, int32_t l
 
 // Where this thread's stores land in a buffer, as byte offsets from the buffer for the rows
 // group + 16 i at i = 0 (row i adds 16 i rows of 128 bytes; every such row has the same swizzle,
-// row % 8 = group % 8): pair[c] is chunk 2 (lane8 % 4) + c of tile lane8 / 4 (add 2 j + 4 h
-// tiles for codes[j] of half h), rope chunk lane8 of the rope tile.
+// row % 8 = group % 8): the thread's 16 codes of a tile row widen to chunks 2 (lane8 % 4) and
+// 2 (lane8 % 4) + 1 of tile lane8 / 4 (add 2 j + 4 h tiles for codes[j] of half h); store c
+// writes chunk 2 (lane8 % 4) + (c ^ swap). Tiles are 8 KB apart, so chunks of equal index in
+// the two tiles share banks: with swap = lane8 / 4 (lanes 4-7 store their second 8 codes first)
+// the eight lanes of a row write eight different chunks in each store, one wavefront instead of
+// two. Only the 576-byte layout swaps: in the 656-byte one the extra selects spill the producer
+// and it ran no faster (docs/perf.md). rope: chunk lane8 of the rope tile.
+template <KvLayout kLayout>
+__device__ __forceinline__ bool fp8_store_swap(int lane8) {
+  return kLayout == KvLayout::kFp8Raw && lane8 >= 4;
+}
+
 struct Fp8StoreOffsets {
   uint32_t pair[2];
   uint32_t rope;
 };
 
+template <KvLayout kLayout>
 __device__ __forceinline__ Fp8StoreOffsets fp8_store_offsets(int group, int lane8) {
   using C = Sm90Config;
+  const int swap = kLayout == KvLayout::kFp8Raw ? lane8 / 4 : 0;  // fp8_store_swap as 0 / 1
   Fp8StoreOffsets o;
 #pragma unroll
   for (int c = 0; c < 2; ++c)
-    o.pair[c] = (lane8 / 4) * C::kTileBytes + sm90::swizzled_chunk(group, 2 * (lane8 % 4) + c);
+    o.pair[c] =
+        (lane8 / 4) * C::kTileBytes + sm90::swizzled_chunk(group, 2 * (lane8 % 4) + (c ^ swap));
   o.rope = C::kLatentTiles * C::kTileBytes + sm90::swizzled_chunk(group, lane8);
   return o;
 }
@@ -202,8 +215,11 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
     const float scale = j == 0 ? scales.x : scales.y;
     const uint4 c = staged.codes[j];
     const uint32_t tile = row + (4 * kHalf + 2 * j) * C::kTileBytes;
-    sm90::st_shared_u32x4(tile + offsets.pair[0], e4m3x8_to_bf16(make_uint2(c.x, c.y), scale));
-    sm90::st_shared_u32x4(tile + offsets.pair[1], e4m3x8_to_bf16(make_uint2(c.z, c.w), scale));
+    const bool swap = fp8_store_swap<kLayout>(lane8);  // second 8 codes first (Fp8StoreOffsets)
+    sm90::st_shared_u32x4(tile + offsets.pair[0],
+                          e4m3x8_to_bf16(make_uint2(swap ? c.z : c.x, swap ? c.w : c.y), scale));
+    sm90::st_shared_u32x4(tile + offsets.pair[1],
+                          e4m3x8_to_bf16(make_uint2(swap ? c.x : c.z, swap ? c.y : c.w), scale));
   }
   if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
     sm90::cp_async_16_l1(row + offsets.rope, src + PoolRow<kLayout>::kRopeOffset + lane8 * 16, ok);
@@ -367,7 +383,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       // land. rows[b]: the rows of buffer b's block of this iteration.
       BlockRows rows[2];
       Fp8Row staged[4];
-      const Fp8StoreOffsets offsets = fp8_store_offsets(group, lane8);
+      const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
       if (num_iters > 0) {
         rows[0] = block_rows(p, slots, 0, num_slots, group);
         rows[1] = block_rows(p, slots, 1, num_slots, group);
