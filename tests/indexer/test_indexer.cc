@@ -666,6 +666,39 @@ TEST_P(IndexerTest, BadInputNamesTheArgumentAndWritesNothing) {
   EXPECT_EQ(testing::checksum(be().to_host(s.pool.storage())), pool_sum);
 }
 
+// The indexer's scratch bound (docs/cuda.md, indexer_topk): a block of `rows` query rows holds
+// q8 [rows, H_i, d_i], gate [rows, H_i] and logits [rows, num_kv], so its bytes are
+// rows · (H_i·d_i + 4·H_i + 4·num_kv) <= max(block_bytes, one row), with as many rows as fit;
+// never the T x num_kv logits of a long prompt (128K tokens: 256 MiB, not 64 GiB).
+TEST(IndexerBlocksPlan, ScratchStaysWithinTheBound) {
+  const int k = 2048;
+  for (int64_t tokens : {1, 7, 4096, 131072})
+    for (int64_t num_kv : {int64_t(k), int64_t(k) + 1, int64_t(4096), int64_t(131072)})
+      for (int64_t h_i : {64, 32})
+        for (int64_t block_bytes : {int64_t(1), int64_t(1) << 20, kIndexerBlockBytes}) {
+          SCOPED_TRACE("T " + std::to_string(tokens) + " N_kv " + std::to_string(num_kv) + " H_i " +
+                       std::to_string(h_i) + " bound " + std::to_string(block_bytes));
+          const IndexerBlocks b = IndexerBlocks::plan(tokens, h_i, 128, num_kv, k, block_bytes);
+          if (num_kv <= k) {
+            EXPECT_EQ(b.rows, 0);
+            EXPECT_EQ(b.bytes, 0);
+            continue;
+          }
+          const int64_t row_bytes = h_i * 128 + 4 * h_i + 4 * num_kv;
+          EXPECT_EQ(b.width, num_kv);
+          ASSERT_GE(b.rows, 1);
+          EXPECT_LE(b.rows, tokens);
+          EXPECT_EQ(b.bytes, b.rows * row_bytes);
+          EXPECT_LE(b.bytes, std::max(block_bytes, row_bytes));
+          if (b.rows < tokens) {
+            EXPECT_GT((b.rows + 1) * row_bytes, block_bytes) << "not maximal";
+          }
+        }
+  const IndexerBlocks longest = IndexerBlocks::plan(131072, 64, 128, 131072, k, kIndexerBlockBytes);
+  EXPECT_LE(longest.bytes, kIndexerBlockBytes);
+  EXPECT_EQ(longest.rows, kIndexerBlockBytes / (64 * 128 + 4 * 64 + 4 * 131072));
+}
+
 TEST(IndexerCpu, WorkspaceOverrideIsValidated) {
   const std::unique_ptr<Backend> be = make_cpu_backend();
   Rng rng(testing::fresh_seed());
