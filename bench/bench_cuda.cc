@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -496,13 +497,20 @@ std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int6
                       be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
                   0, 0});
   be.options().indexer_kernel = previous.indexer_kernel;
+  constexpr const char* kBoundEnv = "DSAKIT_INDEXER_WORKSPACE_BYTES";
+  const char* user_bound = std::getenv(kBoundEnv);
+  const std::optional<std::string> saved =
+      user_bound ? std::optional<std::string>(user_bound) : std::nullopt;
   const std::string bound = fmt::format("{}", int64_t(t) * (hi * di + 4 * hi + 4 * t));
-  setenv("DSAKIT_INDEXER_WORKSPACE_BYTES", bound.c_str(), 1);
+  setenv(kBoundEnv, bound.c_str(), 1);
   rows.push_back({shape, "indexer_topk 1blk",
                   time_ms(
                       be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
                   0, 0});
-  unsetenv("DSAKIT_INDEXER_WORKSPACE_BYTES");
+  if (saved)  // the user's bound again for the next rows
+    setenv(kBoundEnv, saved->c_str(), 1);
+  else
+    unsetenv(kBoundEnv);
   be.options().host_value_checks = true;
   return rows;
 }

@@ -370,10 +370,10 @@ IndexerKernel choose_logits_kernel(IndexerKernel requested, const IndexerLogitsP
 }
 
 cudaError_t launch_logits(IndexerKernel kernel, const IndexerLogitsParams& p, int key_splits,
-                          cudaStream_t stream) {
+                          int sms, cudaStream_t stream) {
   switch (kernel) {
     case IndexerKernel::kWgmma:
-      return launch_indexer_logits_sm90(p, key_splits, stream);
+      return launch_indexer_logits_sm90(p, key_splits, sms, stream);
     case IndexerKernel::kTensorCore:
       return launch_indexer_logits_tc(p, stream);
     case IndexerKernel::kScalar:
@@ -415,7 +415,7 @@ void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_
   DSAKIT_CHECK_ARG(options_.indexer_key_splits >= 0,
                    "CudaBackendOptions::indexer_key_splits: expected >= 0, got ",
                    options_.indexer_key_splits);
-  DSAKIT_CUDA_CHECK(launch_logits(kernel, p, options_.indexer_key_splits, stream_));
+  DSAKIT_CUDA_CHECK(launch_logits(kernel, p, options_.indexer_key_splits, sm_count_, stream_));
 }
 
 void CudaBackend::topk(const TensorView& logits, const TensorView& ctx_len, int k,

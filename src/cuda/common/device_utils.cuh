@@ -90,6 +90,25 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The sum of v over the warp, in every lane (every lane of the warp calls it).
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+  return v;
+}
+
+// Inclusive scan of v over the warp's lanes (every lane of the warp calls it).
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = int(threadIdx.x) % kWarpSize;
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const int u = __shfl_up_sync(0xFFFFFFFFu, v, offset);
+    if (lane >= offset) v += u;
+  }
+  return v;
+}
+
 // A float written as OutT: f32 as is, bf16 rounded to nearest even (formats.h).
 template <typename OutT>
 __device__ __forceinline__ OutT to_out(float v) {

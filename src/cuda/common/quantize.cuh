@@ -29,18 +29,30 @@ __device__ __forceinline__ uint32_t quantize_e4m3x4_pow2(const float (&x)[4], fl
   return codes;
 }
 
+// max(amax, |v[0]|, …, |v[3]|); fmaxf skips NaN, as the CPU backend's amax does.
+__device__ __forceinline__ float amax_x4(float amax, const float (&v)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  return amax;
+}
+
+// The power-of-two scale s of a vector spread over the warp, from each lane's amax of its values
+// (all 32 lanes call it).
+__device__ __forceinline__ float warp_pow2_scale(float lane_amax) {
+  return indexer_fp8_scale(warp_max(lane_amax));
+}
+
 // x bf16 [d] -> codes [d] e4m3(x / s), returns s. All 32 lanes of the warp call it; a lane owns
 // the groups of 4 values starting at 4·lane, 4·lane + 128, …; d is a multiple of 4.
 __device__ __forceinline__ float warp_quantize_pow2(const bf16_t* x, int d, uint8_t* codes,
                                                     int lane) {
-  float amax = 0.0f;  // fmaxf skips NaN, as the CPU backend's amax does
+  float amax = 0.0f;
   for (int e = 4 * lane; e < d; e += 4 * kWarpSize) {
     float v[4];
     load_bf16x4(x + e, v);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    amax = amax_x4(amax, v);
   }
-  const float scale = indexer_fp8_scale(warp_max(amax)), inv_scale = 1.0f / scale;
+  const float scale = warp_pow2_scale(amax), inv_scale = 1.0f / scale;
   for (int e = 4 * lane; e < d; e += 4 * kWarpSize) {
     float v[4];
     load_bf16x4(x + e, v);

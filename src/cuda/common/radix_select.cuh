@@ -29,12 +29,7 @@ __device__ __forceinline__ bool find_radix_bin(const int* hist, int need, RadixB
     count[j] = hist[kRadixBins - 1 - 8 * lane - j];
     local += count[j];
   }
-  int inclusive = local;
-#pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
-    if (lane >= offset) inclusive += v;
-  }
+  const int inclusive = warp_inclusive_sum(local);
   // The shuffles converge the warp but do not order its shared-memory accesses: without this, a
   // lane's read before the call could race with the selecting lane's write after it (racecheck).
   __syncwarp();

@@ -79,9 +79,9 @@ cudaError_t launch_indexer_logits_tc(const IndexerLogitsParams& p, cudaStream_t 
 // instances (instances.h), d_i = 128, page_size % 4 == 0 and 16-byte aligned key pages and
 // query codes; its fp8 accumulation is ~1e-4 rel-L2 from fp32 (the kernel header).
 bool indexer_logits_sm90_supported(const IndexerLogitsParams& p);
-// key_splits: CTAs per row group over the key range, 0 to choose by grid size (the logits are
-// the same bits for any value).
-cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits,
+// key_splits: CTAs per row group over the key range, 0 to choose by grid size against the
+// device's `sms` streaming multiprocessors (the logits are the same bits for any value).
+cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits, int sms,
                                        cudaStream_t stream);
 // threads: the block size per row (256, 512 or 1024), 0 for topk_threads_for(p.width); any
 // other value is cudaErrorInvalidValue.
@@ -93,7 +93,7 @@ namespace indexer_sm90 {
 // One instance per row of DSAKIT_INDEXER_LOGITS_SM90_INSTANCES (its launcher is in the kernel
 // header; cudaErrorInvalidConfiguration when indexer_logits_sm90_accepts() does not hold).
 template <int kHeads>
-cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits,
+cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits, int sms,
                                     cudaStream_t stream);
 
 // The kernel's alignment invariants: d_i = 128, page_size % 4 == 0 (every key row 16-byte

@@ -9,11 +9,12 @@ bool indexer_logits_sm90_supported(const IndexerLogitsParams& p) {
          attention::dispatch_indexer_logits_sm90(p.h_i, [](auto) {});
 }
 
-cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits,
+cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits, int sms,
                                        cudaStream_t stream) {
   cudaError_t status = cudaErrorInvalidConfiguration;
   attention::dispatch_indexer_logits_sm90(p.h_i, [&](auto heads) {
-    status = indexer_sm90::run_indexer_logits_sm90<decltype(heads)::value>(p, key_splits, stream);
+    status =
+        indexer_sm90::run_indexer_logits_sm90<decltype(heads)::value>(p, key_splits, sms, stream);
   });
   return status;
 }

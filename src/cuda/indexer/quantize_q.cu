@@ -39,10 +39,7 @@ __global__ void __launch_bounds__(kThreads) quantize_q128_kernel(const QuantizeQ
     if (row >= p.rows) break;  // warp-uniform
     const float v[4] = {f32_from_bits(raw[r].x << 16), f32_from_bits(raw[r].x & 0xFFFF0000u),
                         f32_from_bits(raw[r].y << 16), f32_from_bits(raw[r].y & 0xFFFF0000u)};
-    float amax = 0.0f;  // fmaxf skips NaN, as the CPU backend's amax does
-#pragma unroll
-    for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
-    const float s_q = indexer_fp8_scale(warp_max(amax));
+    const float s_q = warp_pow2_scale(amax_x4(0.0f, v));
     reinterpret_cast<uint32_t*>(p.q8 + row * kDim)[lane] = quantize_e4m3x4_pow2(v, 1.0f / s_q);
     if (lane == 0) p.gate[row] = p.idx_w[row] * p.head_scale * s_q;
   }

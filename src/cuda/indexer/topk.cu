@@ -87,24 +87,6 @@ __device__ __forceinline__ void warp_histogram_add(int* hist, uint32_t digit, bo
     atomicAdd(&hist[digit], __popc(peers));
 }
 
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
-    v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
-  return v;
-}
-
-// Inclusive warp scan of v (every lane of the warp calls it).
-__device__ __forceinline__ int warp_inclusive_sum(int v) {
-  const int lane = int(threadIdx.x) % kWarpSize;
-#pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int u = __shfl_up_sync(0xFFFFFFFFu, v, offset);
-    if (lane >= offset) v += u;
-  }
-  return v;
-}
-
 // After pass A (the coarse histogram complete and visible): the bin B holding the k-th largest
 // key. Thread t owns the kPer bins just below kCoarseBins − t·kPer, so the block's exclusive scan
 // of the per-thread sums counts the keys above each thread's bins. Ends with a barrier after

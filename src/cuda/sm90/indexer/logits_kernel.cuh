@@ -4,11 +4,11 @@
 //   loc = kv_locs[kv_start[t] + p],  d_i = 128 (kDim), H_i = kHeads.
 //
 // The product is taken transposed, keys on M: Sᵀ[n, (r, h)] = k8[n, :] · q8[r, h, :] with
-// A = 64 keys [64 x 128 codes] and B = a consumer's tokens x heads [128 x 128 codes], both
-// K-major 128-byte-swizzled shared-memory tiles. A thread's accumulator then holds two keys
-// (rows g, g + 8 of its warp's 16) against 32 of its group's (token, head) columns, so the
-// head sum is 16 gated ReLUs per (key, token) in registers plus a reduction over the 4 lanes q
-// that share those keys.
+// A = 64 keys [64 x 128 codes] and B = 64 (token, head) columns of a consumer [64 x 128 codes],
+// both K-major 128-byte-swizzled shared-memory tiles. A thread's accumulator then holds two
+// keys (rows g, g + 8 of its warp's 16) against 16 of the bank's columns, so the head sum is
+// 16 gated ReLUs per (key, token) in registers plus a reduction over the 4 lanes q that share
+// those keys.
 //
 // One CTA of kConsumers + 1 warpgroups per kCtaTokens consecutive rows of the batch (one
 // request, normally) and part of the key tiles (key_splits CTAs per row group when the row
@@ -16,12 +16,13 @@
 //   the last WG (producer): the CTA's query codes and gates once, then the key rows of every
 //     64-key tile of positions [0, context) gathered by location (cp.async, 16 B, completing on
 //     the stage's mbarrier) into a kStages ring, with each row's scale and a valid flag.
-//   WG c < kConsumers: owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (N = 128 columns =
-//     kWgTokens x kHeads) and computes every tile with the same A operand: one chain of 4 k32
-//     wgmmas, then the tile's gated-ReLU head sums; with three such groups one group's sums run
-//     while the others' wgmmas keep the tensor cores busy. One accumulator per group: the four
-//     wgmmas of a tile must stay one chain (ptxas serializes them, C7514, when the registers of
-//     another in-flight accumulator are read between them).
+//   WG c < kConsumers: owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (128 columns =
+//     kWgTokens x kHeads, two banks of 64) and computes every tile with the same A operand: one
+//     chain of 4 k32 wgmmas per bank, both issued, then bank 0's gated-ReLU head sums while
+//     bank 1's chain runs (wait_group 1), then bank 1's, with the group's gates held in
+//     registers for the whole CTA. Both banks complete within the tile:
+//     ptxas serializes the wgmmas (C7514) when an accumulator is still in flight across the
+//     loop's back edge. With three such groups the others' wgmmas fill the rest.
 //
 // Numerics: the tensor cores sum fp8 products in an accumulator that keeps fewer bits than fp32
 // (~1e-4 rel-L2 from fp32 arithmetic on the same codes, as DeepGEMM's kernel); the mma.sync
@@ -32,7 +33,7 @@
 // Rows with ctx_len <= skip_ctx_at_most are not computed (the top-k identity shortcut).
 //
 // Shared memory (bytes, tiles 1024-aligned):
-//   q      [kCtaTokens * kHeads][128]  query codes, row (r, h) = r * kHeads + h   = 49152
+//   q      [kCtaTokens * kHeads][128]  query codes, row (r, h) = r * kHeads + h   = 65536
 //   keys   [kStages][64][128]          key codes                                 = kStages * 8192
 //   gate   f32 [kCtaTokens * kHeads]; scale f32 [kStages][64]; valid u8 [kStages][64];
 //   mbarriers q_full, full[kStages], empty[kStages]; the CTA's rows (CtaRows)
@@ -58,19 +59,23 @@ struct LogitsConfig {
   static constexpr int kDim = 128;           // d_i: codes per vector, one 128-byte row
   static constexpr int kChunks = kDim / 16;  // 16-byte chunks per row
   static constexpr int kKeys = 64;           // keys per tile (wgmma M)
-  static constexpr int kWgCols = 128;        // (token, head) columns per consumer (N)
+  static constexpr int kWgCols = 128;        // (token, head) columns per consumer
+  static constexpr int kBankCols = 64;       // columns per wgmma chain (N)
   static constexpr int kWgTokens = kWgCols / kHeads;
+  static constexpr int kBankTokens = kBankCols / kHeads;
   static constexpr int kConsumers = 3;  // consumer warpgroups; WG kConsumers is the producer
   static constexpr int kCtaTokens = kConsumers * kWgTokens;
   static constexpr int kKSteps = kDim / 32;  // wgmma k32 steps per tile
   static constexpr int kStages = 8;
   static constexpr int kThreads = (kConsumers + 1) * 128;
-  // setmaxnreg moves registers within the CTA's launch allocation (128 x 512 under
-  // __launch_bounds__(512, 1)): the consumers' accumulator takes 64 of theirs.
+  // setmaxnreg moves registers within the CTA's launch allocation (kThreads x kEntryRegs under
+  // __launch_bounds__(kThreads, 1): 64K registers, 8 per thread the granule): the consumers'
+  // two accumulators take 64 of theirs.
+  static constexpr int kEntryRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kConsumerRegs = 152;
   static constexpr int kProducerRegs = 56;
-  static_assert(kConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 128 * kThreads);
-  static_assert(kWgCols % kHeads == 0 && kHeads % 8 == 0, "heads tile the 128 columns");
+  static_assert(kConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= kEntryRegs * kThreads);
+  static_assert(kBankCols % kHeads == 0 && kHeads % 8 == 0, "heads tile a bank's 64 columns");
 
   static constexpr int kTileBytes = kKeys * kDim;  // 8192
   static constexpr int kQ = 0;
@@ -253,47 +258,48 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
   constexpr int kT = C::kWgTokens;
   constexpr int kColBlocks = kHeads / 8;  // 8-column blocks per token
   const uint32_t b_tile = base + C::kQ + uint32_t(wg * C::kWgCols * C::kDim);
-  const uint64_t desc_b = sm90::smem_desc_sw128(b_tile, 16, 1024);
   sm90::mbarrier_wait(bar_q, 0);
+  // This thread's gates, held for the whole CTA: columns 8 j + 2 q, + 1 of the group's 128.
+  float2 gates[C::kWgCols / 8];
+#pragma unroll
+  for (int j = 0; j < C::kWgCols / 8; ++j)
+    gates[j] = *reinterpret_cast<const float2*>(gate_s + wg * C::kWgCols + 8 * j + 2 * q);
 
-  // S of tile n into acc: 4 chained k32 wgmmas, committed as one batch.
-  const auto issue_tile = [&](float(&acc)[64], int n) {
-    const int stage = n % C::kStages;
-    sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
-    const uint64_t desc_a =
-        sm90::smem_desc_sw128(base + C::kKeysOff + stage * C::kTileBytes, 16, 1024);
+  // S of bank b of tile n into acc: 4 chained k32 wgmmas, committed as one batch.
+  const auto issue_bank = [&](float(&acc)[32], uint64_t desc_a, int b) {
+    const uint64_t desc_b =
+        sm90::smem_desc_sw128(b_tile + uint32_t(b * C::kBankCols * C::kDim), 16, 1024);
     sm90::fence_operands(acc);
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < C::kKSteps; ++ks) {
       const uint64_t offset = uint64_t(ks * 32) >> 4;
-      sm90::wgmma_m64n128k32_e4m3_ss(acc, desc_a + offset, desc_b + offset, ks > 0);
+      sm90::wgmma_m64n64k32_e4m3_ss(acc, desc_a + offset, desc_b + offset, ks > 0);
     }
     sm90::wgmma_commit();
   };
-  // Tile n (positions tile0 ...) once its wgmma batch has completed: the keys' scales and flags,
-  // the stage back to the producer, then the gated head sums stored for this segment's rows.
-  const auto finish_tile = [&](float(&acc)[64], int n, int64_t tile0, const bool(&mine)[kT]) {
+  // This thread's accumulator rows g and g + 8 of its warp's 16: keys key_lo, key_hi of a tile.
+  const int key_lo = 16 * wwarp + g, key_hi = key_lo + 8;
+  // Those two keys' scales and valid flags in a tile (an invalid key's logit is -inf).
+  struct TileKeys {
+    float scale_lo, scale_hi;
+    bool ok_lo, ok_hi;
+  };
+  // Bank b of a tile once its wgmmas have completed: the gated head sums of its tokens, stored
+  // for this segment's rows.
+  const auto finish_bank = [&](float(&acc)[32], int b, int64_t tile0, const TileKeys& keys,
+                               const bool(&mine)[kT]) {
     sm90::fence_operands(acc);
-    const int stage = n % C::kStages;
-    const int key_lo = 16 * wwarp + g, key_hi = key_lo + 8;
-    const float scale_lo = scale_s[stage * C::kKeys + key_lo];
-    const float scale_hi = scale_s[stage * C::kKeys + key_hi];
-    const bool ok_lo = valid_s[stage * C::kKeys + key_lo] != 0;
-    const bool ok_hi = valid_s[stage * C::kKeys + key_hi] != 0;
-    sm90::mbarrier_arrive(bar_empty(stage));
-
-    // Gated ReLU head sum per (key, token) over this lane's 16 heads of each token.
-    float lo[kT], hi[kT];
-    const float* gate_wg = gate_s + wg * C::kWgCols;
+    constexpr int kBT = C::kBankTokens;
+    float lo[kBT], hi[kBT];
 #pragma unroll
-    for (int r = 0; r < kT; ++r) {
+    for (int r = 0; r < kBT; ++r) {
       lo[r] = 0.f;
       hi[r] = 0.f;
 #pragma unroll
       for (int jb = 0; jb < kColBlocks; ++jb) {
         const int j = r * kColBlocks + jb;
-        const float2 gv = *reinterpret_cast<const float2*>(gate_wg + 8 * j + 2 * q);
+        const float2 gv = gates[b * (C::kBankCols / 8) + j];
         lo[r] = fmaf(gv.x, relu_nan(acc[4 * j]), lo[r]);
         lo[r] = fmaf(gv.y, relu_nan(acc[4 * j + 1]), lo[r]);
         hi[r] = fmaf(gv.x, relu_nan(acc[4 * j + 2]), hi[r]);
@@ -302,24 +308,25 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
     }
     // Reduce over the quad (lanes q share the keys), in a fixed order: same bits every run.
 #pragma unroll
-    for (int r = 0; r < kT; ++r) {
+    for (int r = 0; r < kBT; ++r) {
       lo[r] = quad_sum(lo[r]);
       hi[r] = quad_sum(hi[r]);
     }
-    // Lane q stores tokens r = q, q + 4, ... of its group (rows g and g + 8 of the warp).
+    // Lane q stores the group's tokens r = q, q + 4, ... (keys key_lo and key_hi).
 #pragma unroll
-    for (int r = 0; r < kT; ++r) {
+    for (int rb = 0; rb < kBT; ++rb) {
+      const int r = b * kBT + rb;
       if (r % 4 != q || !mine[r]) continue;
       const int cr = wg * kT + r;
       const int64_t ctx = rows.ctx[cr];
       float* out = p.logits + (row0 + cr) * p.width;
       const int64_t pos_lo = tile0 + key_lo, pos_hi = tile0 + key_hi;
-      if (pos_lo < ctx) out[pos_lo] = ok_lo ? lo[r] * scale_lo : -INFINITY;
-      if (pos_hi < ctx) out[pos_hi] = ok_hi ? hi[r] * scale_hi : -INFINITY;
+      if (pos_lo < ctx) out[pos_lo] = keys.ok_lo ? lo[rb] * keys.scale_lo : -INFINITY;
+      if (pos_hi < ctx) out[pos_hi] = keys.ok_hi ? hi[rb] * keys.scale_hi : -INFINITY;
     }
   };
 
-  float acc[64];
+  float acc0[32], acc1[32];
   int n = 0;
   int64_t start, limit;
   for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
@@ -332,9 +339,21 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
     int64_t begin, end;
     split_tiles(limit, begin, end);
     for (int64_t i = begin; i < end; ++i, ++n) {
-      issue_tile(acc, n);
+      const int stage = n % C::kStages;
+      sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
+      const uint64_t desc_a =
+          sm90::smem_desc_sw128(base + C::kKeysOff + stage * C::kTileBytes, 16, 1024);
+      issue_bank(acc0, desc_a, 0);
+      issue_bank(acc1, desc_a, 1);
+      const TileKeys keys{scale_s[stage * C::kKeys + key_lo], scale_s[stage * C::kKeys + key_hi],
+                          valid_s[stage * C::kKeys + key_lo] != 0,
+                          valid_s[stage * C::kKeys + key_hi] != 0};
+      sm90::wgmma_wait<1>();
+      finish_bank(acc0, 0, i * C::kKeys, keys, mine);
       sm90::wgmma_wait<0>();
-      finish_tile(acc, n, i * C::kKeys, mine);
+      sm90::fence_operands(acc1);
+      sm90::mbarrier_arrive(bar_empty(stage));  // both banks have read the keys
+      finish_bank(acc1, 1, i * C::kKeys, keys, mine);
     }
   }
 
@@ -354,25 +373,19 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
 // does not hold (the caller checks it first and runs another kernel). key_splits: CTAs per row
 // group, each over a contiguous part of the key tiles (every position is still written by one
 // CTA, with the same sums: the logits do not depend on it); 0 lets indexer_logits_key_splits
-// choose.
+// choose for a device of `sms` streaming multiprocessors.
 template <int kHeads>
-cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits,
+cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits, int sms,
                                     cudaStream_t stream) {
   using C = LogitsConfig<kHeads>;
   const int64_t rows = p.row_end - p.row_begin;
   if (rows <= 0 || p.width <= 0) return cudaSuccess;
-  if (p.h_i != kHeads || !indexer_logits_sm90_accepts(p) || key_splits < 0)
+  if (p.h_i != kHeads || !indexer_logits_sm90_accepts(p) || key_splits < 0 || sms < 1)
     return cudaErrorInvalidConfiguration;
   const int64_t groups = (rows + C::kCtaTokens - 1) / C::kCtaTokens;
-  int splits = key_splits;
-  if (splits == 0) {
-    int device = 0, sms = 0;
-    cudaError_t status = cudaGetDevice(&device);
-    if (status == cudaSuccess)
-      status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (status != cudaSuccess) return status;
-    splits = indexer_logits_key_splits(groups, (p.width + C::kKeys - 1) / C::kKeys, sms);
-  }
+  const int splits =
+      key_splits > 0 ? key_splits
+                     : indexer_logits_key_splits(groups, (p.width + C::kKeys - 1) / C::kKeys, sms);
   if (groups * splits > INT32_MAX) return cudaErrorInvalidValue;
   auto* kernel = &indexer_logits_sm90_kernel<kHeads>;
   cudaError_t status =
@@ -387,4 +400,4 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
 // One row of DSAKIT_INDEXER_LOGITS_SM90_INSTANCES (src/cuda/attention/instances.h).
 #define DSAKIT_INSTANTIATE_INDEXER_LOGITS_SM90(kHeads)                              \
   template cudaError_t dsakit::cuda::indexer_sm90::run_indexer_logits_sm90<kHeads>( \
-      const dsakit::cuda::IndexerLogitsParams&, int, cudaStream_t);
+      const dsakit::cuda::IndexerLogitsParams&, int, int, cudaStream_t);
