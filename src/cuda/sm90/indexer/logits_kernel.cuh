@@ -33,7 +33,7 @@
 // Rows with ctx_len <= skip_ctx_at_most are not computed (the top-k identity shortcut).
 //
 // Shared memory (bytes, tiles 1024-aligned):
-//   q      [kCtaTokens * kHeads][128]  query codes, row (r, h) = r * kHeads + h   = 65536
+//   q      [kCtaTokens * kHeads][128]  query codes, row (r, h) = r * kHeads + h   = 49152
 //   keys   [kStages][64][128]          key codes                                 = kStages * 8192
 //   gate   f32 [kCtaTokens * kHeads]; scale f32 [kStages][64]; valid u8 [kStages][64];
 //   mbarriers q_full, full[kStages], empty[kStages]; the CTA's rows (CtaRows)
@@ -351,7 +351,6 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
       sm90::wgmma_wait<1>();
       finish_bank(acc0, 0, i * C::kKeys, keys, mine);
       sm90::wgmma_wait<0>();
-      sm90::fence_operands(acc1);
       sm90::mbarrier_arrive(bar_empty(stage));  // both banks have read the keys
       finish_bank(acc1, 1, i * C::kKeys, keys, mine);
     }
