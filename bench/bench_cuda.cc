@@ -97,6 +97,9 @@ struct Row {
   double flops = 0, bytes = 0;
 };
 
+// Which attention kernels time_each_kernel times (--wgmma-only: the sm90 ones alone).
+bool g_time_mma_sync = true;
+
 // Rows "<stem>_sm80" and "<stem>_sm90": fn(i) timed with each attention kernel forced through
 // `option` (one of be.options()'s kernel choices, restored afterwards); a kernel without an
 // instance for the shape (kUnsupported) adds no row.
@@ -106,6 +109,7 @@ void time_each_kernel(AttentionKernel& option, Backend& be, const std::string& s
   const AttentionKernel previous = option;
   for (const auto& [kernel, suffix] : {std::pair{AttentionKernel::kMmaSync, "_sm80"},
                                        std::pair{AttentionKernel::kWgmma, "_sm90"}}) {
+    if (kernel == AttentionKernel::kMmaSync && !g_time_mma_sync) continue;
     option = kernel;
     try {
       rows.push_back({shape, stem + suffix, time_ms(be, fn), flops, 0});
@@ -557,6 +561,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
 int main(int argc, char** argv) {
   std::string json_path;
   bool quick = false, sparse = false, indexer = false, dense = false, layer = false;
+  std::vector<KvLayout> sparse_layouts = {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
@@ -570,14 +575,20 @@ int main(int argc, char** argv) {
       dense = true;
     else if (!std::strcmp(argv[i], "--layer"))
       layer = true;
+    else if (!std::strcmp(argv[i], "--wgmma-only"))
+      g_time_mma_sync = false;
+    else if (!std::strcmp(argv[i], "--kv") && i + 1 < argc)
+      sparse_layouts = {parse_kv_layout(argv[++i])};
     else {
       std::fprintf(stderr,
                    "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse] [--indexer] "
-                   "[--dense] [--layer]\n"
+                   "[--dense] [--layer] [--wgmma-only] [--kv bf16|fp8|fp8-raw]\n"
                    "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n"
                    "  --dense: only the dense MHA kernels, every compiled kernel per shape\n"
                    "  --layer: only the whole-layer rows (dsakit's layer, end to end)\n"
-                   "  --indexer: only the indexer's logits kernels, top-k and indexer_topk\n");
+                   "  --indexer: only the indexer's logits kernels, top-k and indexer_topk\n"
+                   "  --wgmma-only: with --sparse / --dense, time the sm90 kernels alone\n"
+                   "  --kv: with --sparse, one pool layout instead of all three\n");
       return 2;
     }
   }
@@ -619,7 +630,7 @@ int main(int argc, char** argv) {
         }
     }
     if (sparse) {
-      for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw})
+      for (KvLayout layout : sparse_layouts)
         for (int tp : {1, 2, 4, 8})
           for (int64_t t : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384}) {
             auto r = bench_sparse(be, ds.with_tp(tp), t, layout);

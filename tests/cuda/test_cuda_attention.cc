@@ -59,6 +59,10 @@ struct SparseCase {
   int topk;
   bool use_topk_length;
   ScalePolicy scale_policy = ScalePolicy::kAmax;  // 656-byte pools only
+  // Q's standard deviation; sm_scale is divided by it, so the logits keep their spread. Far
+  // from 1 it checks the kernels that scale Q into a narrower type (the fp8-raw wgmma kernel's
+  // f16 operands: beyond 65504 Q would overflow, below 2^-14 lose precision).
+  float q_stddev = 1.f;
 };
 
 struct SparseResult {
@@ -118,8 +122,8 @@ class CudaSparseMla : public CudaAttention {
     if (t_n > 1)
       for (int j = 0; j < k; ++j) idx[size_t(k) + j] = (j % 2) ? -1 : n;  // no valid slot
 
-    Tensor q_abs = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDc});
-    Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr});
+    Tensor q_abs = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDc}, c.q_stddev);
+    Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr}, c.q_stddev);
     Tensor idx_h = Tensor::host(DType::kI32, {t_n, k});
     std::memcpy(idx_h.ptr<int32_t>(), idx.data(), idx.size() * sizeof(int32_t));
     Tensor q_abs_d = to_dev(q_abs), q_pe_d = to_dev(q_pe), idx_d = to_dev(idx_h);
@@ -131,7 +135,7 @@ class CudaSparseMla : public CudaAttention {
     a.kv = &pool;
     a.indices = idx_d.view();
     if (c.use_topk_length) a.topk_length = len_d.view();
-    a.sm_scale = 1.0 / std::sqrt(192.0);
+    a.sm_scale = 1.0 / std::sqrt(192.0) / c.q_stddev;
 
     SparseResult out;
     for (int run = 0; run < 2; ++run) {
@@ -198,6 +202,9 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kFp8Scaled, 4, 64, 1, false, ScalePolicy::kPow2},
       {KvLayout::kFp8Scaled, 3, 33, 700, true, ScalePolicy::kPow2},
       {KvLayout::kFp8Scaled, 2, 16, 2048, false, ScalePolicy::kPow2},
+      {KvLayout::kFp8Raw, 3, 64, 300, true, ScalePolicy::kAmax, 3e4f},
+      {KvLayout::kFp8Raw, 3, 20, 300, false, ScalePolicy::kAmax, 1e-6f},
+      {KvLayout::kBf16, 2, 64, 300, true, ScalePolicy::kAmax, 3e4f},
   };
   for (const SparseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {
@@ -209,7 +216,8 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       SCOPED_TRACE(::testing::Message()
                    << "seed " << seed << " kernel " << kernel << " layout " << to_string(c.layout)
                    << " scales " << to_string(c.scale_policy) << " T " << c.num_tokens << " H "
-                   << c.num_heads << " k " << c.topk << " topk_length " << c.use_topk_length);
+                   << c.num_heads << " k " << c.topk << " topk_length " << c.use_topk_length
+                   << " q_stddev " << c.q_stddev);
       if (std::string(kernel) == "sm90" && c.layout == KvLayout::kFp8Scaled &&
           c.scale_policy == ScalePolicy::kAmax) {
         // The wgmma kernel widens code x scale to bf16: exact for pow2 scales only, so it

@@ -59,6 +59,26 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16(uint2 codes, float scale = 1.f) 
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// Two fp32 values as one register of two f16 (lo = first), round to nearest even.
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Eight e4m3 codes (codes.x: codes 0-3, low byte first) as f16, one 16-byte chunk of 8 f16:
+// exact (every e4m3 value, subnormals included, is an f16 value), one conversion per pair.
+__device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 codes) {
+  const uint32_t words[2] = {codes.x, codes.y};
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i >> 1] >> (16 * (i & 1)));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    out[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // Both bf16 halves of v times (lo, hi) in fp32, rounded back to bf16.
 __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, float lo, float hi) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));

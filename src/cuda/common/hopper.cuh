@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks of the Hopper-native kernels (src/cuda/sm90/): mbarriers,
 // named barriers, register reallocation, the async-proxy fence, cp.async completion on an
-// mbarrier, TMA tile loads, stmatrix, and warpgroup MMA (wgmma, bf16 and e4m3) with shared-memory
-// matrix descriptors.
+// mbarrier, TMA tile loads, stmatrix, and warpgroup MMA (wgmma, bf16, f16 and e4m3) with
+// shared-memory matrix descriptors.
 //
 // wgmma conventions (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
 //  * one warpgroup (4 consecutive warps, the first a multiple of 4) issues each instruction;
@@ -172,6 +172,14 @@ __device__ __forceinline__ uint2 ld_global_nc_u32x2(const void* src, bool valid)
 __device__ __forceinline__ void prefetch_l1(const void* src) {
   asm volatile("prefetch.global.L1 [%0];\n" ::"l"(src));
 }
+__device__ __forceinline__ uint4 ld_shared_u32x4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
 __device__ __forceinline__ void st_shared_u32x4(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
@@ -225,6 +233,10 @@ __device__ __forceinline__ void fence_operands(uint32_t (&a)[kM][kN]) {
     for (int j = 0; j < kN; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
+// The 16-bit operand types of the wgmma wrappers that take either (A and B alike): bf16, or f16
+// (the FP8 raw pool's codes widen to f16 exactly in one instruction per pair).
+enum class Ab { kBf16, kF16 };
+
 // clang-format off
 // The 32 accumulator operands d[0], …, d[31] of an m64n64 wgmma, as inline-asm constraints.
 #define DSAKIT_WGMMA_F32X32(d) \
@@ -237,17 +249,23 @@ __device__ __forceinline__ void fence_operands(uint32_t (&a)[kM][kN]) {
   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
-// d[64 x 64] (+)= A[64 x 16] · B[16 x 64], A and B from shared memory (descriptors);
-// kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.
-template <int kTransB>
+// d[64 x 64] (+)= A[64 x 16] · B[16 x 64], A and B (bf16, or f16: kAb) from shared memory
+// (descriptors); kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.
+template <int kTransB, Ab kAb = Ab::kBf16>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                                   int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
-      : DSAKIT_WGMMA_F32X32(d)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+#define DSAKIT_WGMMA_M64N64K16_SS(ab) \
+  asm volatile( \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." ab "." ab " " \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n" \
+  : DSAKIT_WGMMA_F32X32(d) \
+  : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB))
+  if constexpr (kAb == Ab::kF16)
+    DSAKIT_WGMMA_M64N64K16_SS("f16");
+  else
+    DSAKIT_WGMMA_M64N64K16_SS("bf16");
+#undef DSAKIT_WGMMA_M64N64K16_SS
 }
 
 // The 64 accumulator operands d[o], …, d[o + 63] of an m64n128 wgmma (o = 0) or half of an
@@ -297,30 +315,43 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
 }
 
-// d[64 x 256] (+)= A[64 x 16] · B[16 x 256], A and B from shared memory (descriptors);
-// kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.
-template <int kTransB>
+// d[64 x 256] (+)= A[64 x 16] · B[16 x 256], A and B (bf16, or f16: kAb) from shared memory
+// (descriptors); kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.
+template <int kTransB, Ab kAb = Ab::kBf16>
 __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                   int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
-      : DSAKIT_WGMMA_F32X128(d)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+#define DSAKIT_WGMMA_M64N256K16_SS(ab) \
+  asm volatile( \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n256k16.f32." ab "." ab " " \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n" \
+  : DSAKIT_WGMMA_F32X128(d) \
+  : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB))
+  if constexpr (kAb == Ab::kF16)
+    DSAKIT_WGMMA_M64N256K16_SS("f16");
+  else
+    DSAKIT_WGMMA_M64N256K16_SS("bf16");
+#undef DSAKIT_WGMMA_M64N256K16_SS
 }
 
 // d[64 x 256] (+)= A[64 x 16] · B[16 x 256], A from registers (a: the m64n16 accumulator layout
-// of bf16 pairs), B from shared memory; kTransB: B is MN-major. scale_d == 0 overwrites d.
-template <int kTransB>
+// of 16-bit pairs, bf16 or f16: kAb), B from shared memory; kTransB: B is MN-major. scale_d == 0
+// overwrites d.
+template <int kTransB, Ab kAb = Ab::kBf16>
 __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4],
                                                   uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
-      : DSAKIT_WGMMA_F32X128(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+#define DSAKIT_WGMMA_M64N256K16_RS(ab) \
+  asm volatile( \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n256k16.f32." ab "." ab " " \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n" \
+  : DSAKIT_WGMMA_F32X128(d) \
+  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB))
+  if constexpr (kAb == Ab::kF16)
+    DSAKIT_WGMMA_M64N256K16_RS("f16");
+  else
+    DSAKIT_WGMMA_M64N256K16_RS("bf16");
+#undef DSAKIT_WGMMA_M64N256K16_RS
 }
 
 // d[64 x 64] (+)= A[64 x 32] · B[32 x 64] on e4m3 codes (fp32 accumulate), A and B from shared

@@ -6,9 +6,9 @@
 //
 //   WG2 (producer): Q once, then every block's rows gathered from the pool by location into the
 //     swizzled tiles of its buffer (bf16 pools: cp.async; fp8 pools: the codes loaded into
-//     registers one half ahead, before that half's buffer is free, then widened to bf16 and
-//     stored), and a valid flag per slot. Each buffer is two halves with their own full / empty
-//     mbarriers: L = dims [0, 256) (tiles 0-3), R = dims [256, 576) (tiles 4-8).
+//     registers one half ahead, before that half's buffer is free, then widened to the operand
+//     type and stored), and a valid flag per slot. Each buffer is two halves with their own full /
+//     empty mbarriers: L = dims [0, 256) (tiles 0-3), R = dims [256, 576) (tiles 4-8).
 //   WG0 / WG1 (consumers): WG b owns block 2i + b of iteration i and output dims
 //     [256b, 256b + 256). It computes S_b = Q·K_bᵀ (64 x 64, K = 576), the online softmax of its
 //     block with the running max the two groups share, P_b·V_b over its own dims (P_b from
@@ -18,22 +18,27 @@
 //   S[h, n] = Q[h, 0:576] · K[n, 0:576],  P = exp2(S · sm_scale · log2 e − m),
 //   O[h, :] = Σ_n P[h, n] · K[n, 0:512] / Σ_n P[h, n]
 //
-// Shared memory (bytes; tiles are [64 rows][64 bf16], 128-byte swizzled, 1024-aligned):
+// Shared memory (bytes; tiles are [64 rows][64 16-bit values], 128-byte swizzled, 1024-aligned):
 //   Q   [9 tiles]  73728      K0 [9 tiles] 73728      K1 [9 tiles] 73728
 //   P1  [1 tile]    8192      P0 lives in K0's tile 8 (its rope dims: read by S0 only, and
 //                             reloaded by the producer only after WG1 has consumed P0)
 //   mbarriers, valid flags [2][64], row maxima [3][64] (WG0's own; the final one, by iteration
-//   parity), row sums [2][64]
+//   parity), row sums [2][64], Q's power-of-two shift and the producer warps' |Q| maxima (f16)
 //
 // Synchronization per iteration (named barriers between the consumer groups, 256 threads):
-//   WG0: softmax with max(m, S0) -> row_max[0]; arrive MAX0; O += P0·V0L; sync MAX1 (the
-//        final max in row_max[1 + i % 2]); P0 rescaled -> smem; arrive P0; wait; release K0.L;
-//        rescale O; sync P1; O += P1·V1L; issue the next S0; wait for P1·V1L; release K1.L.
+//   WG0: softmax with max(m, S0) -> row_max[0]; arrive MAX0; O += P0·V0L; wait; release K0.L
+//        (the first half the producer refills); sync MAX1 (the final max in row_max[1 + i % 2]);
+//        P0 rescaled -> smem; arrive P0; rescale O; sync P1; O += P1·V1L; issue the next S0's
+//        L half; wait for P1·V1L; release K1.L; issue the next S0's R half; wait.
 //   WG1: sync MAX0; final max = max(row_max[0], S1) -> row_max[1 + i % 2]; arrive MAX1;
 //        softmax; O += P1·V1R; P1 -> smem; arrive P1; sync P0; O += P0·V0R; wait; release K1.R,
-//        K0.R; next S1.
+//        K0.R; next S1 (R half, then L).
 // A group passes MAX0 of iteration i + 1 only after WG0's P1·V1L of iteration i has completed,
 // so P1's buffer is free when WG1 writes it again.
+//
+// Operand types: bf16, except for the fp8-raw pool, whose codes widen to f16 exactly (one
+// conversion per pair); that kernel stages Q as f16 scaled by a power of two into f16's range
+// (load_q_f16) and folds the power into the softmax scale.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -78,38 +83,62 @@ struct Sm90Config {
   // f32 [3][64]: WG0's max, then the final max (by WG1) in two slots by iteration parity.
   static constexpr int kRowMax = kValid + 2 * kBlock;
   static constexpr int kRowSum = kRowMax + 3 * 4 * kHeads;  // f32 [2][64]
-  static constexpr int kSmemBytes = kRowSum + 2 * 4 * kHeads;
+  // f16 operands (the fp8-raw pool): the power-of-two exponent Q was scaled by (i32), and the
+  // producer warps' partial maxima of |Q| (u32 [4], bf16 magnitude bits).
+  static constexpr int kQShift = kRowSum + 2 * 4 * kHeads;
+  static constexpr int kQAmax = kQShift + 16;
+  static constexpr int kSmemBytes = kQAmax + 16;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
   static_assert(kK0 % 1024 == 0 && kK1 % 1024 == 0 && kP1 % 1024 == 0 && kP0 % 1024 == 0);
 
   // Named barriers between the two consumer groups.
   static constexpr int kSyncMax0 = 1, kSyncMax1 = 2, kSyncP0 = 3, kSyncP1 = 4, kSyncSum = 5;
+  // Among the producer's four warps (128 threads): the |Q| maximum of the f16 path.
+  static constexpr int kSyncProducer = 6;
 };
+
+// The MMA operand type per pool layout: the fp8-raw pool's codes (one scale for the pool) widen
+// to f16 exactly in one conversion per pair, so that kernel computes in f16 with Q scaled by a
+// power of two into f16's range; the other layouts compute in bf16.
+template <KvLayout kLayout>
+inline constexpr sm90::Ab kOperand =
+    kLayout == KvLayout::kFp8Raw ? sm90::Ab::kF16 : sm90::Ab::kBf16;
+
+template <sm90::Ab kAb>
+__device__ __forceinline__ uint32_t pack_operand_x2(float lo, float hi) {
+  return kAb == sm90::Ab::kF16 ? pack_f16x2(lo, hi) : pack_bf16x2(lo, hi);
+}
 
 // ---- producer -----------------------------------------------------------------------------
 
 // The producer's share of one block: the pool locations of rows group + 16 i (i < 4) of the
-// block, -1 where the row is invalid (slot >= num_slots, location out of range); invalid rows
-// are zero-filled.
+// block. block_rows loads them as the indices hold them (-1 past num_slots) a step or more before
+// their first use, and validate_rows turns every invalid one (< 0, >= num_locations) into -1 at
+// that use, so the loads' latency is not waited for where they are issued. Invalid rows are
+// zero-filled.
 struct BlockRows {
   int32_t loc[4];
-  __device__ bool ok(int i) const { return loc[i] >= 0; }
+  __device__ bool ok(int i) const { return loc[i] >= 0; }  // once validated
 };
 
-__device__ __forceinline__ BlockRows block_rows(const SparseMlaParams& p, const int32_t* slots,
-                                                int block, int num_slots, int group) {
+__device__ __forceinline__ BlockRows block_rows(const int32_t* slots, int block, int num_slots,
+                                                int group) {
   BlockRows r;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int slot = block * Sm90Config::kBlock + group + 16 * i;
-    const int32_t loc = slot < num_slots ? __ldg(slots + slot) : -1;
-    r.loc[i] = loc < p.num_locations ? loc : -1;
+    r.loc[i] = slot < num_slots ? __ldg(slots + slot) : -1;
   }
   return r;
 }
 
-// Pool row `loc`, or row 0 for an invalid location (< 0): a mapped address that the zero-filling
-// copies and predicated loads never read.
+__device__ __forceinline__ void validate_rows(const SparseMlaParams& p, BlockRows& r) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r.loc[i] = r.loc[i] < p.num_locations ? r.loc[i] : -1;
+}
+
+// Pool row `loc` (validated), or row 0 for an invalid one (< 0): a mapped address that the
+// zero-filling copies and predicated loads never read.
 template <KvLayout kLayout>
 __device__ __forceinline__ const uint8_t* pool_row(const SparseMlaParams& p, int32_t loc) {
   return p.kv_pool + int64_t(max(loc, 0)) * PoolRow<kLayout>::kBytes;
@@ -192,9 +221,9 @@ __device__ __forceinline__ Fp8StoreOffsets fp8_store_offsets(int group, int lane
   return o;
 }
 
-// Widens staged row i of half kHalf to bf16 into the swizzled tiles of `buffer` (an invalid row
-// was loaded as zero codes; its scales are taken as 1). The 656-byte layout's R half also starts
-// the row's rope cp.async (zero-filled for an invalid row).
+// Widens staged row i of half kHalf to the operand type (bf16; f16 for fp8-raw) into the swizzled
+// tiles of `buffer` (an invalid row was loaded as zero codes; its scales are taken as 1). The
+// 656-byte layout's R half also starts the row's rope cp.async (zero-filled for an invalid row).
 template <KvLayout kLayout, int kHalf>
 __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t loc,
                                               const Fp8Row& staged, uint32_t buffer, int i,
@@ -216,22 +245,106 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
     const uint4 c = staged.codes[j];
     const uint32_t tile = row + (4 * kHalf + 2 * j) * C::kTileBytes;
     const bool swap = fp8_store_swap<kLayout>(lane8);  // second 8 codes first (Fp8StoreOffsets)
-    sm90::st_shared_u32x4(tile + offsets.pair[0],
-                          e4m3x8_to_bf16(make_uint2(swap ? c.z : c.x, swap ? c.w : c.y), scale));
-    sm90::st_shared_u32x4(tile + offsets.pair[1],
-                          e4m3x8_to_bf16(make_uint2(swap ? c.x : c.z, swap ? c.y : c.w), scale));
+    const uint2 first = make_uint2(swap ? c.z : c.x, swap ? c.w : c.y);
+    const uint2 second = make_uint2(swap ? c.x : c.z, swap ? c.y : c.w);
+    if constexpr (kOperand<kLayout> == sm90::Ab::kF16) {
+      sm90::st_shared_u32x4(tile + offsets.pair[0], e4m3x8_to_f16(first));
+      sm90::st_shared_u32x4(tile + offsets.pair[1], e4m3x8_to_f16(second));
+    } else {
+      sm90::st_shared_u32x4(tile + offsets.pair[0], e4m3x8_to_bf16(first, scale));
+      sm90::st_shared_u32x4(tile + offsets.pair[1], e4m3x8_to_bf16(second, scale));
+    }
   }
   if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
     sm90::cp_async_16_l1(row + offsets.rope, src + PoolRow<kLayout>::kRopeOffset + lane8 * 16, ok);
-  if constexpr (kLayout == KvLayout::kFp8Raw && kHalf == 1)
-    sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_bf16(staged.rope));
+  if constexpr (kLayout == KvLayout::kFp8Raw && kHalf == 1) {
+    if constexpr (kOperand<kLayout> == sm90::Ab::kF16)
+      sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_f16(staged.rope));
+    else
+      sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_bf16(staged.rope));
+  }
+}
+
+// Q of the CTA's 64 heads (bf16) by cp.async into the swizzled Q tiles: rows group + 16 i,
+// chunk lane8 of every tile (heads >= H zero-filled).
+__device__ __forceinline__ void copy_q_bf16(const SparseMlaParams& p, int64_t t, int head0,
+                                            uint32_t q_tiles, int group, int lane8) {
+  using C = Sm90Config;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = group + 16 * i, head = head0 + row;
+    const bool ok = head < p.num_heads;
+    const int64_t h = ok ? head : 0;
+    const bf16_t* latent = p.q_abs + t * p.q_abs_token_stride + h * p.q_abs_head_stride + lane8 * 8;
+#pragma unroll
+    for (int tile = 0; tile < C::kLatentTiles; ++tile)
+      sm90::cp_async_16_prefetch(q_tiles + tile * C::kTileBytes + sm90::swizzled_chunk(row, lane8),
+                                 latent + tile * 64, ok);
+    sm90::cp_async_16_prefetch(
+        q_tiles + C::kLatentTiles * C::kTileBytes + sm90::swizzled_chunk(row, lane8),
+        p.q_pe + t * p.q_pe_token_stride + h * p.q_pe_head_stride + lane8 * 8, ok);
+  }
+}
+
+// f16 operands: Q as copy_q_bf16 copies it, then converted in place by the thread that copied
+// each chunk to f16 scaled by 2^-shift, shift chosen so the largest finite |q| of the CTA lands
+// in [2^14, 2^15): every value of at least 2^-24 of it converts exactly, none overflows. Writes
+// shift to *q_shift (the consumers multiply S by 2^shift) and arrives on bar_q. The maximum is
+// reduced over the producer's four warps through amax_scratch (u32 [4]).
+__device__ __forceinline__ void load_q_f16(const SparseMlaParams& p, int64_t t, int head0,
+                                           uint32_t q_tiles, uint32_t* amax_scratch, int* q_shift,
+                                           uint32_t bar_q, int wtid) {
+  using C = Sm90Config;
+  const int group = wtid / 8, lane8 = wtid % 8;
+  copy_q_bf16(p, t, head0, q_tiles, group, lane8);
+  cp_async_commit();
+  cp_async_wait<0>();
+  const auto chunk = [&](int i, int tile) {
+    return q_tiles + tile * C::kTileBytes + sm90::swizzled_chunk(group + 16 * i, lane8);
+  };
+  // Pass 1: the largest finite |q|, as bf16 magnitude bits (they order like the magnitudes).
+  uint32_t m2 = 0;  // two 16-bit maxima
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int tile = 0; tile < C::kTiles; ++tile) {
+      const uint4 v = sm90::ld_shared_u32x4(chunk(i, tile));
+      for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+        const uint32_t mag = w & 0x7fff7fffu;
+        m2 = __vmaxu2(m2, mag & __vcmpltu2(mag, 0x7f807f80u));  // inf / NaN count as 0
+      }
+    }
+  uint32_t m = __reduce_max_sync(0xffffffffu, max(m2 & 0xffffu, m2 >> 16));
+  if (wtid % 32 == 0) amax_scratch[wtid / 32] = m;
+  sm90::named_barrier_sync(C::kSyncProducer, 128);
+  m = max(max(amax_scratch[0], amax_scratch[1]), max(amax_scratch[2], amax_scratch[3]));
+  // m's exponent field E: the largest |q| is in [2^(E-127), 2^(E-126)).
+  const int shift = m == 0 ? 0 : min(max(int(m >> 7) - 127 - 14, -112), 112);
+  const float down = __int_as_float((127 - shift) << 23);  // 2^-shift
+  if (wtid == 0) *q_shift = shift;
+
+    // Pass 2: convert in place.
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int tile = 0; tile < C::kTiles; ++tile) {
+      const uint4 v = sm90::ld_shared_u32x4(chunk(i, tile));
+      uint32_t h[4];
+      int j = 0;
+      for (const uint32_t w : {v.x, v.y, v.z, v.w})
+        h[j++] =
+            pack_f16x2(__uint_as_float(w << 16) * down, __uint_as_float(w & 0xffff0000u) * down);
+      sm90::st_shared_u32x4(chunk(i, tile), make_uint4(h[0], h[1], h[2], h[3]));
+    }
+  sm90::fence_proxy_async_shared();
+  sm90::mbarrier_arrive(bar_q);
 }
 
 // ---- consumers ----------------------------------------------------------------------------
 
 // S = Q · K_bᵀ over column tiles [kFirst, kFirst + kCount), accumulating after the first MMA
 // unless `accumulate`.
-template <int kFirst, int kCount>
+template <int kFirst, int kCount, sm90::Ab kAb>
 __device__ __forceinline__ void issue_qk_tiles(float (&s)[32], uint32_t q, uint32_t k,
                                                bool accumulate) {
   const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
@@ -241,54 +354,62 @@ __device__ __forceinline__ void issue_qk_tiles(float (&s)[32], uint32_t q, uint3
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       const uint64_t offset = uint64_t(tile * Sm90Config::kTileBytes + ks * 32) >> 4;
-      sm90::wgmma_m64n64k16_ss<0>(s, dq + offset, dk + offset,
-                                  accumulate || tile > kFirst || ks > 0);
+      sm90::wgmma_m64n64k16_ss<0, kAb>(s, dq + offset, dk + offset,
+                                       accumulate || tile > kFirst || ks > 0);
     }
 }
 
 // O[64 x 256] += P · V over one block: P from registers (a[ks]: keys 16 ks ..), V = tiles
 // [v_tile, v_tile + 4) of a buffer, MN-major.
+template <sm90::Ab kAb>
 __device__ __forceinline__ void issue_pv_rs(float (&o)[128], const uint32_t (&a)[4][4],
                                             uint32_t v) {
   const uint64_t dv = sm90::smem_desc_sw128(v, Sm90Config::kTileBytes, 1024);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
-    sm90::wgmma_m64n256k16_rs<1>(o, a[ks], dv + uint64_t(ks * 2048 >> 4), 1);
+    sm90::wgmma_m64n256k16_rs<1, kAb>(o, a[ks], dv + uint64_t(ks * 2048 >> 4), 1);
 }
 
 // The same with P from a shared-memory tile (K-major: row = head, 64 keys).
+template <sm90::Ab kAb>
 __device__ __forceinline__ void issue_pv_ss(float (&o)[128], uint32_t p, uint32_t v) {
   const uint64_t dp = sm90::smem_desc_sw128(p, 16, 1024);
   const uint64_t dv = sm90::smem_desc_sw128(v, Sm90Config::kTileBytes, 1024);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
-    sm90::wgmma_m64n256k16_ss<1>(o, dp + uint64_t(ks * 32 >> 4), dv + uint64_t(ks * 2048 >> 4), 1);
+    sm90::wgmma_m64n256k16_ss<1, kAb>(o, dp + uint64_t(ks * 32 >> 4), dv + uint64_t(ks * 2048 >> 4),
+                                      1);
 }
 
-// P (fp32, the S accumulator layout) as bf16 A fragments, one per 16 keys.
+// P (fp32, the S accumulator layout) as A fragments of the operand type, one per 16 keys.
+template <sm90::Ab kAb>
 __device__ __forceinline__ void p_fragments(const float (&s)[32], uint32_t (&a)[4][4]) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[ks][i] = pack_bf16x2(s[8 * ks + 2 * i], s[8 * ks + 2 * i + 1]);
+    for (int i = 0; i < 4; ++i)
+      a[ks][i] = pack_operand_x2<kAb>(s[8 * ks + 2 * i], s[8 * ks + 2 * i + 1]);
 }
 
-// Writes P (fp32, the S accumulator layout) of this warp's 16 rows into a swizzled [64][64] bf16
-// tile, 16 keys (one stmatrix) at a time.
+// Writes P (fp32, the S accumulator layout) of this warp's 16 rows into a swizzled [64][64] tile
+// of the operand type, 16 keys (one stmatrix) at a time.
+template <sm90::Ab kAb>
 __device__ __forceinline__ void store_p(const float (&s)[32], uint32_t tile, int warp, int lane) {
   const int row = 16 * warp + ((lane >> 3) & 1) * 8 + (lane & 7);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
-    sm90::stmatrix_x4(
-        tile + sm90::swizzled_chunk(row, 2 * ks + (lane >> 4)),
-        pack_bf16x2(s[8 * ks], s[8 * ks + 1]), pack_bf16x2(s[8 * ks + 2], s[8 * ks + 3]),
-        pack_bf16x2(s[8 * ks + 4], s[8 * ks + 5]), pack_bf16x2(s[8 * ks + 6], s[8 * ks + 7]));
+    sm90::stmatrix_x4(tile + sm90::swizzled_chunk(row, 2 * ks + (lane >> 4)),
+                      pack_operand_x2<kAb>(s[8 * ks], s[8 * ks + 1]),
+                      pack_operand_x2<kAb>(s[8 * ks + 2], s[8 * ks + 3]),
+                      pack_operand_x2<kAb>(s[8 * ks + 4], s[8 * ks + 5]),
+                      pack_operand_x2<kAb>(s[8 * ks + 6], s[8 * ks + 7]));
 }
 
 template <KvLayout kLayout>
 __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     sparse_mla_sm90_kernel(const __grid_constant__ SparseMlaParams p) {
   using C = Sm90Config;
+  constexpr sm90::Ab kAb = kOperand<kLayout>;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = smem_addr(smem);
   const uint32_t q_tiles = base + C::kQ;
@@ -335,23 +456,30 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     // ---- producer ----------------------------------------------------------------------------
     sm90::setmaxnreg_dec<C::kProducerRegs>();
     const int group = wtid / 8, lane8 = wtid % 8;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = group + 16 * i, head = head0 + row;
-      const bool ok = head < p.num_heads;
-      const int64_t h = ok ? head : 0;
-      const bf16_t* latent =
-          p.q_abs + t * p.q_abs_token_stride + h * p.q_abs_head_stride + lane8 * 8;
-#pragma unroll
-      for (int tile = 0; tile < C::kLatentTiles; ++tile)
-        sm90::cp_async_16_prefetch(
-            q_tiles + tile * C::kTileBytes + sm90::swizzled_chunk(row, lane8), latent + tile * 64,
-            ok);
-      sm90::cp_async_16_prefetch(
-          q_tiles + C::kLatentTiles * C::kTileBytes + sm90::swizzled_chunk(row, lane8),
-          p.q_pe + t * p.q_pe_token_stride + h * p.q_pe_head_stride + lane8 * 8, ok);
+    if constexpr (kAb == sm90::Ab::kF16) {
+      load_q_f16(p, t, head0, q_tiles, reinterpret_cast<uint32_t*>(smem + C::kQAmax),
+                 reinterpret_cast<int*>(smem + C::kQShift), bar_q, wtid);
+    } else {
+      copy_q_bf16(p, t, head0, q_tiles, group, lane8);
+      sm90::cp_async_mbarrier_arrive(bar_q);
     }
-    sm90::cp_async_mbarrier_arrive(bar_q);
+
+    // rows[b]: the rows of buffer b's block of this iteration, loaded at least a step before
+    // the wait for the first half they fill. fp8 pools also hold row i of the next step in
+    // registers (staged[i]), loaded as soon as row i of this step is stored, so each load has a
+    // whole step (and the wait for the next buffer) to land.
+    BlockRows rows[2];
+    Fp8Row staged[4];
+    const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
+    if (num_iters > 0) {
+      rows[0] = block_rows(slots, 0, num_slots, group);
+      rows[1] = block_rows(slots, 1, num_slots, group);
+      if constexpr (kLayout != KvLayout::kBf16) {
+        validate_rows(p, rows[0]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) load_row_fp8<kLayout, 0>(p, rows[0].loc[i], lane8, staged[i]);
+      }
+    }
 
     // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
     // an iteration), each on its buffer's empty barrier of the iteration's parity. A buffer's
@@ -362,42 +490,23 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
     };
-    if constexpr (kLayout == KvLayout::kBf16) {
-      for (int it = 0; it < num_iters; ++it) {
-        const uint32_t free_phase = (it & 1) ^ 1;
-#pragma unroll 1
-        for (int step = 0; step < 4; ++step) {
-          const int buffer = step & 1, half = ((step + 1) >> 1) & 1;
-          sm90::mbarrier_wait(bar_empty(buffer, half), free_phase);
-          const BlockRows rows = block_rows(p, slots, 2 * it + buffer, num_slots, group);
-          load_half_bf16(p, rows, buffer == 0 ? k0_tiles : k1_tiles, half == 0 ? 0 : C::kHalfTiles,
-                         half == 0 ? C::kHalfTiles : C::kTiles, group, lane8);
-          sm90::cp_async_mbarrier_arrive(bar_full(buffer, half));
-          if (step < 2) store_flags(buffer, rows);
-          if (step == 1) sm90::mbarrier_arrive(bar_valid);
-        }
-      }
-    } else {
-      // fp8 pools: row i of the next step is loaded into registers as soon as row i of this
-      // step is stored, so each load has a whole step (and the wait for the next buffer) to
-      // land. rows[b]: the rows of buffer b's block of this iteration.
-      BlockRows rows[2];
-      Fp8Row staged[4];
-      const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
-      if (num_iters > 0) {
-        rows[0] = block_rows(p, slots, 0, num_slots, group);
-        rows[1] = block_rows(p, slots, 1, num_slots, group);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) load_row_fp8<kLayout, 0>(p, rows[0].loc[i], lane8, staged[i]);
-      }
-      const auto step = [&](auto buffer_c, auto half_c, int it, bool has_next) {
-        constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
-        // The next step: (1, R) after (0, L); (0, R) after (1, R); (1, L) after (0, R); the next
-        // iteration's (0, L) after (1, L).
+    const auto step = [&](auto buffer_c, auto half_c, int it, bool has_next) {
+      constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
+      const uint32_t full = bar_full(kBuffer, kHalf);
+      const uint32_t tiles = kBuffer == 0 ? k0_tiles : k1_tiles;
+      sm90::mbarrier_wait(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
+      // A block's rows are validated at their first use: bf16, the step that copies the block's
+      // first half; fp8, the step that loads them for the next one.
+      if constexpr (kLayout == KvLayout::kBf16 && kBuffer == kHalf) validate_rows(p, rows[kBuffer]);
+      if constexpr (kLayout != KvLayout::kBf16 && kHalf == 0) validate_rows(p, rows[1 - kBuffer]);
+      if constexpr (kLayout == KvLayout::kBf16) {
+        load_half_bf16(p, rows[kBuffer], tiles, kHalf == 0 ? 0 : C::kHalfTiles,
+                       kHalf == 0 ? C::kHalfTiles : C::kTiles, group, lane8);
+        sm90::cp_async_mbarrier_arrive(full);
+      } else {
+        // The next step: (1, R) after (0, L); (0, R) after (1, R); (1, L) after (0, R); the
+        // next iteration's (0, L) after (1, L).
         constexpr int kNextBuffer = 1 - kBuffer, kNextHalf = kBuffer == 0 ? 1 - kHalf : kHalf;
-        const uint32_t full = bar_full(kBuffer, kHalf);
-        const uint32_t tiles = kBuffer == 0 ? k0_tiles : k1_tiles;
-        sm90::mbarrier_wait(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           store_row_fp8<kLayout, kHalf>(p, rows[kBuffer].loc[i], staged[i], tiles, i, offsets,
@@ -410,22 +519,22 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
         // The 656-byte layout's R half also waits for its rope copies (a second arrival each).
         if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
           sm90::cp_async_mbarrier_arrive(full);
-        if constexpr (kBuffer == kHalf) store_flags(kBuffer, rows[kBuffer]);  // steps 0 and 1
-        if constexpr (kBuffer == 1 && kHalf == 1) sm90::mbarrier_arrive(bar_valid);
-      };
-      using Zero = std::integral_constant<int, 0>;
-      using One = std::integral_constant<int, 1>;
-#pragma unroll 1
-      for (int it = 0; it < num_iters; ++it) {
-        const bool more = it + 1 < num_iters;
-        step(Zero{}, Zero{}, it, true);  // K0.L; loads K1.R
-        step(One{}, One{}, it, true);    // K1.R; loads K0.R
-        step(Zero{}, One{}, it, true);   // K0.R; loads K1.L
-        // Buffer 0's block of the next iteration, for the loads issued during K1.L.
-        if (more) rows[0] = block_rows(p, slots, 2 * it + 2, num_slots, group);
-        step(One{}, Zero{}, it, more);  // K1.L; loads the next K0.L
-        if (more) rows[1] = block_rows(p, slots, 2 * it + 3, num_slots, group);
       }
+      if constexpr (kBuffer == kHalf) store_flags(kBuffer, rows[kBuffer]);  // steps 0 and 1
+      if constexpr (kBuffer == 1 && kHalf == 1) sm90::mbarrier_arrive(bar_valid);
+    };
+    using Zero = std::integral_constant<int, 0>;
+    using One = std::integral_constant<int, 1>;
+#pragma unroll 1
+    for (int it = 0; it < num_iters; ++it) {
+      const bool more = it + 1 < num_iters;
+      step(Zero{}, Zero{}, it, true);  // K0.L; fp8: loads K1.R
+      step(One{}, One{}, it, true);    // K1.R; fp8: loads K0.R
+      step(Zero{}, One{}, it, true);   // K0.R; fp8: loads K1.L
+      // Buffer 0's block of the next iteration (fp8: for the loads issued during K1.L).
+      if (more) rows[0] = block_rows(slots, 2 * it + 2, num_slots, group);
+      step(One{}, Zero{}, it, more);  // K1.L; fp8: loads the next K0.L
+      if (more) rows[1] = block_rows(slots, 2 * it + 3, num_slots, group);
     }
     cp_async_wait<0>();
     return;
@@ -437,7 +546,8 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   const int row0 = 16 * warp + g;  // this thread's rows: row0, row0 + 8
   // fp8-raw: every stored value is code · k_scale, so k_scale multiplies S and O.
   const float value_scale = kLayout == KvLayout::kFp8Raw ? p.k_scale : 1.f;
-  const float scale_log2 = p.sm_scale * value_scale * kLog2e;
+  // f16 operands: S is the product with Q · 2^-shift (load_q_f16); set once Q has landed.
+  float scale_log2 = p.sm_scale * value_scale * kLog2e;
   const uint32_t k_own = wg == 0 ? k0_tiles : k1_tiles;
   float o[128];
 #pragma unroll
@@ -446,33 +556,41 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   float m[2] = {-1e30f, -1e30f};  // running max, log2 domain (finite: exp2(m - m) stays 1)
   float l[2] = {0.f, 0.f};        // running sum of this thread's columns
 
-  // S of block 2 it + wg. WG0 reads its buffer L then R, WG1 R then L: the order the producer
-  // fills them.
-  const auto issue_qk = [&](int it) {
+  // S of block 2 it + wg, as two commit groups (the half filled first, then the other). WG0 reads
+  // its buffer L then R, WG1 R then L: the order the producer fills them. Between the two a
+  // group may wait for its older MMAs and release their buffer (`between`).
+  const auto issue_qk = [&](int it, auto&& between) {
     const uint32_t phase = it & 1;
     constexpr int kL = C::kHalfTiles, kR = C::kTiles - C::kHalfTiles;
     if (wg == 0) {
       sm90::mbarrier_wait(bar_full(0, 0), phase);
       sm90::wgmma_fence();
-      issue_qk_tiles<0, kL>(s, q_tiles, k_own, false);
+      issue_qk_tiles<0, kL, kAb>(s, q_tiles, k_own, false);
+      sm90::wgmma_commit();
+      between();
       sm90::mbarrier_wait(bar_full(0, 1), phase);
       sm90::wgmma_fence();
-      issue_qk_tiles<kL, kR>(s, q_tiles, k_own, true);
+      issue_qk_tiles<kL, kR, kAb>(s, q_tiles, k_own, true);
     } else {
       sm90::mbarrier_wait(bar_full(1, 1), phase);
       sm90::wgmma_fence();
-      issue_qk_tiles<kL, kR>(s, q_tiles, k_own, false);
+      issue_qk_tiles<kL, kR, kAb>(s, q_tiles, k_own, false);
+      sm90::wgmma_commit();
+      between();
       sm90::mbarrier_wait(bar_full(1, 0), phase);
       sm90::wgmma_fence();
-      issue_qk_tiles<0, kL>(s, q_tiles, k_own, true);
+      issue_qk_tiles<0, kL, kAb>(s, q_tiles, k_own, true);
     }
     sm90::wgmma_commit();
   };
+  const auto nothing = [] {};
 
   if (num_iters > 0) {
     sm90::mbarrier_wait(bar_q, 0);
+    if constexpr (kAb == sm90::Ab::kF16)
+      scale_log2 *= __int_as_float((127 + *reinterpret_cast<const int*>(smem + C::kQShift)) << 23);
     sm90::fence_operands(s);
-    issue_qk(0);
+    issue_qk(0, nothing);
     sm90::wgmma_wait<0>();
     sm90::fence_operands(s);
   }
@@ -530,13 +648,19 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       }
       softmax(m_own);
       sm90::named_barrier_arrive(C::kSyncMax0, 256);
-      p_fragments(s, a);
+      p_fragments<kAb>(s, a);
       sm90::fence_operands(o);
       sm90::wgmma_fence();
-      issue_pv_rs(o, a, k0_tiles);
+      issue_pv_rs<kAb>(o, a, k0_tiles);
       sm90::wgmma_commit();
+      // K0.L is released as soon as P0·V0L completes: it is the first half the producer
+      // refills for the next iteration.
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(o);
+      sm90::fence_operands(a);
+      sm90::mbarrier_arrive(bar_empty(0, 0));
 
-      // The final max of both blocks: rescale this block's P for WG1 and (below) O and l.
+      // The final max of both blocks: rescale this block's P for WG1, then O and l.
       sm90::named_barrier_sync(C::kSyncMax1, 256);
       float beta[2];
 #pragma unroll
@@ -550,14 +674,9 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
           s[4 * j + 2 * r + 1] *= beta[r];
         }
       }
-      store_p(s, base + C::kP0, warp, lane);
+      store_p<kAb>(s, base + C::kP0, warp, lane);
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_arrive(C::kSyncP0, 256);
-
-      sm90::wgmma_wait<0>();
-      sm90::fence_operands(o);
-      sm90::fence_operands(a);
-      sm90::mbarrier_arrive(bar_empty(0, 0));
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         l[r] *= beta[r];
@@ -570,13 +689,18 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       sm90::named_barrier_sync(C::kSyncP1, 256);
       sm90::fence_operands(o);
       sm90::wgmma_fence();
-      issue_pv_ss(o, base + C::kP1, k1_tiles);
+      issue_pv_ss<kAb>(o, base + C::kP1, k1_tiles);
       sm90::wgmma_commit();
+      // K1.L is released once P1·V1L completes, between the two halves of the next S0, so the
+      // release does not wait for K0.R of the next iteration.
+      const auto release_k1l = [&] {
+        sm90::wgmma_wait<1>();
+        sm90::fence_operands(o);
+        sm90::mbarrier_arrive(bar_empty(1, 0));
+      };
       if (it + 1 < num_iters) {
         sm90::fence_operands(s);
-        issue_qk(it + 1);
-        sm90::wgmma_wait<1>();
-        sm90::mbarrier_arrive(bar_empty(1, 0));
+        issue_qk(it + 1, release_k1l);
         sm90::wgmma_wait<0>();
         sm90::fence_operands(s);
       } else {
@@ -594,16 +718,16 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       }
       sm90::named_barrier_arrive(C::kSyncMax1, 256);
       softmax(m_final);
-      p_fragments(s, a);
+      p_fragments<kAb>(s, a);
       sm90::fence_operands(o);
       sm90::wgmma_fence();
-      issue_pv_rs(o, a, k1_tiles + C::kHalfTiles * C::kTileBytes);
+      issue_pv_rs<kAb>(o, a, k1_tiles + C::kHalfTiles * C::kTileBytes);
       sm90::wgmma_commit();
-      store_p(s, base + C::kP1, warp, lane);
+      store_p<kAb>(s, base + C::kP1, warp, lane);
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_arrive(C::kSyncP1, 256);
       sm90::named_barrier_sync(C::kSyncP0, 256);
-      issue_pv_ss(o, base + C::kP0, k0_tiles + C::kHalfTiles * C::kTileBytes);
+      issue_pv_ss<kAb>(o, base + C::kP0, k0_tiles + C::kHalfTiles * C::kTileBytes);
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();
       sm90::fence_operands(a);
@@ -613,7 +737,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       sm90::mbarrier_arrive(bar_empty(0, 1));
       if (it + 1 < num_iters) {
         sm90::fence_operands(s);
-        issue_qk(it + 1);
+        issue_qk(it + 1, nothing);
         sm90::wgmma_wait<0>();
         sm90::fence_operands(s);
       }
