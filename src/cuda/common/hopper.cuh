@@ -238,6 +238,11 @@ __device__ __forceinline__ void fence_operands(uint32_t (&a)[kM][kN]) {
 enum class Ab { kBf16, kF16 };
 
 // clang-format off
+// Expands the asm statement macro M(ab) with the operand type name of the enclosing wrapper's
+// kAb.
+#define DSAKIT_WGMMA_FOR_AB(M) \
+  if constexpr (kAb == Ab::kF16) M("f16"); else M("bf16")
+
 // The 32 accumulator operands d[0], …, d[31] of an m64n64 wgmma, as inline-asm constraints.
 #define DSAKIT_WGMMA_F32X32(d) \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), \
@@ -261,10 +266,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n" \
   : DSAKIT_WGMMA_F32X32(d) \
   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB))
-  if constexpr (kAb == Ab::kF16)
-    DSAKIT_WGMMA_M64N64K16_SS("f16");
-  else
-    DSAKIT_WGMMA_M64N64K16_SS("bf16");
+  DSAKIT_WGMMA_FOR_AB(DSAKIT_WGMMA_M64N64K16_SS);
 #undef DSAKIT_WGMMA_M64N64K16_SS
 }
 
@@ -327,10 +329,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n" \
   : DSAKIT_WGMMA_F32X128(d) \
   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB))
-  if constexpr (kAb == Ab::kF16)
-    DSAKIT_WGMMA_M64N256K16_SS("f16");
-  else
-    DSAKIT_WGMMA_M64N256K16_SS("bf16");
+  DSAKIT_WGMMA_FOR_AB(DSAKIT_WGMMA_M64N256K16_SS);
 #undef DSAKIT_WGMMA_M64N256K16_SS
 }
 
@@ -347,10 +346,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n" \
   : DSAKIT_WGMMA_F32X128(d) \
   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB))
-  if constexpr (kAb == Ab::kF16)
-    DSAKIT_WGMMA_M64N256K16_RS("f16");
-  else
-    DSAKIT_WGMMA_M64N256K16_RS("bf16");
+  DSAKIT_WGMMA_FOR_AB(DSAKIT_WGMMA_M64N256K16_RS);
 #undef DSAKIT_WGMMA_M64N256K16_RS
 }
 
