@@ -170,7 +170,7 @@ fi
 
 if [ "${result[build]}" = PASS ] && explicit sparsebench; then
   note "sparse MLA kernels (every compiled kernel per shape, with the row-gather bound)"
-  if timeout 300 build-dev/bench/dsakit_bench_cuda --sparse --json "$out/bench_sparse.json" \
+  if timeout 420 build-dev/bench/dsakit_bench_cuda --sparse --json "$out/bench_sparse.json" \
        >"$out/bench_sparse.txt" 2>"$out/bench_sparse.err"; then result[sparsebench]=PASS
   else result[sparsebench]=FAIL; tail -5 "$out/bench_sparse.err"; fi
   cat "$out/bench_sparse.txt"
