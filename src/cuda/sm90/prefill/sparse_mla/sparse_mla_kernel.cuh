@@ -257,12 +257,8 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
   }
   if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
     sm90::cp_async_16_l1(row + offsets.rope, src + PoolRow<kLayout>::kRopeOffset + lane8 * 16, ok);
-  if constexpr (kLayout == KvLayout::kFp8Raw && kHalf == 1) {
-    if constexpr (kOperand<kLayout> == sm90::Ab::kF16)
-      sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_f16(staged.rope));
-    else
-      sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_bf16(staged.rope));
-  }
+  if constexpr (kLayout == KvLayout::kFp8Raw && kHalf == 1)
+    sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_f16(staged.rope));
 }
 
 // Q of the CTA's 64 heads (bf16) by cp.async into the swizzled Q tiles: rows group + 16 i,
@@ -288,7 +284,8 @@ __device__ __forceinline__ void copy_q_bf16(const SparseMlaParams& p, int64_t t,
 
 // f16 operands: Q as copy_q_bf16 copies it, then converted in place by the thread that copied
 // each chunk to f16 scaled by 2^-shift, shift chosen so the largest finite |q| of the CTA lands
-// in [2^14, 2^15): every value of at least 2^-24 of it converts exactly, none overflows. Writes
+// in [2^14, 2^15): none overflows, and every value that lands at 2^-17 or above (at least 2^-31
+// of the largest) converts exactly (a bf16 significand's 8 bits above f16's 2^-24 spacing). Writes
 // shift to *q_shift (the consumers multiply S by 2^shift) and arrives on bar_q. The maximum is
 // reduced over the producer's four warps through amax_scratch (u32 [4]).
 __device__ __forceinline__ void load_q_f16(const SparseMlaParams& p, int64_t t, int head0,
