@@ -1,5 +1,6 @@
 // CUDA attention kernels (sparse MLA, dense MHA) through the Backend interface against the
 // float64 reference, on random data. Skipped without a GPU.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -11,6 +12,7 @@
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
+#include "dsakit/formats.h"
 #include "src/cuda/attention/attention_ops.h"
 #include "src/cuda/attention/dense_mha_schedule.h"
 #include "src/cuda/attention/dispatch.h"
@@ -63,6 +65,11 @@ struct SparseCase {
   // from 1 it checks the kernels that scale Q into a narrower type (the fp8-raw wgmma kernel's
   // f16 operands: beyond 65504 Q would overflow, below 2^-14 lose precision).
   float q_stddev = 1.f;
+  // Logits rising with the pool location: `trend` log2 units per location (k_pe[i][0] grows with
+  // i, q_pe[..][0] = q_stddev) and each token's indices in ascending order, so the running max
+  // moves again and again across blocks (the wgmma kernel's deferred O rescale). Pools with a
+  // bf16 rope only (the fp8-raw pool's codes saturate at 448 · k_scale).
+  double trend = 0;
 };
 
 struct SparseResult {
@@ -89,6 +96,10 @@ class CudaSparseMla : public CudaAttention {
 
     Tensor c_kv = testing::random_tensor(rng, DType::kBF16, {n, kDc}, 0.5f);
     Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {n, kDr}, 0.5f);
+    const double sm_scale = 1.0 / std::sqrt(192.0) / c.q_stddev;
+    for (int i = 0; i < n && c.trend != 0; ++i)
+      k_pe.ptr<bf16_t>()[int64_t(i) * kDr] =
+          f32_to_bf16(float(double(i) * c.trend / (sm_scale * c.q_stddev * 1.4426950408889634)));
     std::vector<int32_t> all_locs(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) all_locs[size_t(i)] = i;
     backend_->store_kv(pool, to_dev(host_i32(all_locs)).view(), to_dev(c_kv).view(),
@@ -118,12 +129,15 @@ class CudaSparseMla : public CudaAttention {
         idx[size_t(t) * k + j] = v;
       }
       len[size_t(t)] = int32_t(rng.randint(0, k + 3));
+      if (c.trend != 0) std::sort(idx.begin() + int64_t(t) * k, idx.begin() + int64_t(t + 1) * k);
     }
     if (t_n > 1)
       for (int j = 0; j < k; ++j) idx[size_t(k) + j] = (j % 2) ? -1 : n;  // no valid slot
 
     Tensor q_abs = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDc}, c.q_stddev);
     Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr}, c.q_stddev);
+    for (int64_t th = 0; th < int64_t(t_n) * h && c.trend != 0; ++th)
+      q_pe.ptr<bf16_t>()[th * kDr] = f32_to_bf16(c.q_stddev);
     Tensor idx_h = Tensor::host(DType::kI32, {t_n, k});
     std::memcpy(idx_h.ptr<int32_t>(), idx.data(), idx.size() * sizeof(int32_t));
     Tensor q_abs_d = to_dev(q_abs), q_pe_d = to_dev(q_pe), idx_d = to_dev(idx_h);
@@ -135,7 +149,7 @@ class CudaSparseMla : public CudaAttention {
     a.kv = &pool;
     a.indices = idx_d.view();
     if (c.use_topk_length) a.topk_length = len_d.view();
-    a.sm_scale = 1.0 / std::sqrt(192.0) / c.q_stddev;
+    a.sm_scale = sm_scale;
 
     SparseResult out;
     for (int run = 0; run < 2; ++run) {
@@ -205,6 +219,13 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kFp8Raw, 3, 64, 300, true, ScalePolicy::kAmax, 3e4f},
       {KvLayout::kFp8Raw, 3, 20, 300, false, ScalePolicy::kAmax, 1e-6f},
       {KvLayout::kBf16, 2, 64, 300, true, ScalePolicy::kAmax, 3e4f},
+      // The running max passing the 8-unit slack within every block (0.5 log2 units a
+      // location: the 1536 locations under 2048 slots, about 24 per 64-slot block) and once in
+      // about eight blocks (0.02).
+      {KvLayout::kBf16, 3, 128, 2048, true, ScalePolicy::kAmax, 1.f, 0.5},
+      {KvLayout::kBf16, 3, 64, 2048, false, ScalePolicy::kAmax, 1.f, 0.02},
+      {KvLayout::kFp8Scaled, 3, 64, 1000, true, ScalePolicy::kPow2, 1.f, 0.5},
+      {KvLayout::kFp8Scaled, 3, 16, 2048, false, ScalePolicy::kPow2, 1.f, 0.02},
   };
   for (const SparseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {
@@ -217,7 +238,7 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
                    << "seed " << seed << " kernel " << kernel << " layout " << to_string(c.layout)
                    << " scales " << to_string(c.scale_policy) << " T " << c.num_tokens << " H "
                    << c.num_heads << " k " << c.topk << " topk_length " << c.use_topk_length
-                   << " q_stddev " << c.q_stddev);
+                   << " q_stddev " << c.q_stddev << " trend " << c.trend);
       if (std::string(kernel) == "sm90" && c.layout == KvLayout::kFp8Scaled &&
           c.scale_policy == ScalePolicy::kAmax) {
         // The wgmma kernel widens code x scale to bf16: exact for pow2 scales only, so it
@@ -471,6 +492,10 @@ TEST(DenseMhaKernelChoice, WgmmaNeedsAnInstanceAndTmaAddressableOperands) {
 struct DenseCase {
   int d_nope, d_v, num_heads;
   std::vector<std::pair<int, int>> prefix_extend;  // per request (P_r, E_r)
+  // Logits rising with the kv position: `trend` log2 units per row (k_pe[n][0] grows with n,
+  // q_pe[..][0] = 1), so a row's running max passes the softmax offset again and again and the
+  // kernels' deferred O rescale (sm90: kRescaleSlack) runs between blocks, not only at the first.
+  double trend = 0;
 };
 
 // dense_mha's arguments over device tensors, cu_q / cu_kv with their host copies; o and lse are
@@ -523,13 +548,20 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   // second consumer group with no rows (E % 128 <= 64), and both kernels' tile shapes.
   cases.push_back({128, 128, 8, {{0, 700}, {300, 333}, {129, 64}}});
   cases.push_back({192, 256, 4, {{0, 517}, {64, 191}, {1, 1}}});
+  // The running max passing the 8-unit slack within every block (0.2 log2 units a row: 12.8
+  // per 64 rows) and once in about three 64-row blocks (0.05).
+  cases.push_back({128, 128, 4, {{0, 700}, {300, 333}}, 0.2});
+  cases.push_back({192, 256, 4, {{0, 517}, {400, 191}}, 0.2});
+  cases.push_back({128, 128, 4, {{0, 900}}, 0.05});
+  cases.push_back({192, 256, 4, {{0, 900}}, 0.05});
   constexpr int kDr = 64;
   for (const DenseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {
       const KernelScope scope("DSAKIT_DENSE_MHA_KERNEL", kernel);
       const uint64_t seed = testing::fresh_seed();
-      SCOPED_TRACE(::testing::Message() << "seed " << seed << " kernel " << kernel << " d_nope "
-                                        << c.d_nope << " d_v " << c.d_v << " H " << c.num_heads);
+      SCOPED_TRACE(::testing::Message()
+                   << "seed " << seed << " kernel " << kernel << " d_nope " << c.d_nope << " d_v "
+                   << c.d_v << " H " << c.num_heads << " trend " << c.trend);
       Rng rng(seed);
       std::vector<int32_t> cu_q{0}, cu_kv{0};
       for (auto [p, e] : c.prefix_extend) {
@@ -543,11 +575,18 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
       Tensor k_nope = testing::random_tensor(rng, DType::kBF16, {n, h, c.d_nope});
       Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {n, kDr});
       Tensor v = testing::random_tensor(rng, DType::kBF16, {n, h, c.d_v});
+      const double sm_scale = 1.0 / std::sqrt(double(d_qk));
+      if (c.trend != 0) {
+        for (int64_t th = 0; th < int64_t(t_n) * h; ++th)
+          q_pe.ptr<bf16_t>()[th * kDr] = f32_to_bf16(1.f);
+        for (int64_t i = 0; i < n; ++i)
+          k_pe.ptr<bf16_t>()[i * kDr] =
+              f32_to_bf16(float(double(i) * c.trend / (sm_scale * 1.4426950408889634)));
+      }
       Tensor qn_d = to_dev(q_nope), qp_d = to_dev(q_pe), kn_d = to_dev(k_nope), kp_d = to_dev(k_pe),
              v_d = to_dev(v), cq_d = to_dev(host_i32(cu_q)), ck_d = to_dev(host_i32(cu_kv));
 
-      DenseMhaArgs a = dense_args(qn_d, qp_d, kn_d, kp_d, v_d, cq_d, ck_d, cu_q, cu_kv,
-                                  1.0 / std::sqrt(double(d_qk)));
+      DenseMhaArgs a = dense_args(qn_d, qp_d, kn_d, kp_d, v_d, cq_d, ck_d, cu_q, cu_kv, sm_scale);
       // K and V also as the halves of one [n, h, d_nope + d_v] buffer (what one up-projection
       // GEMM writes): the third run reads them there and must give the same bits.
       Tensor kv_host = Tensor::host(DType::kBF16, {n, h, c.d_nope + c.d_v});

@@ -84,9 +84,10 @@ template <int kDimNope, int kDimRope, int kDimV>
 cudaError_t run_dense_mha_sm90(const DenseMhaParams& params, cudaStream_t stream);
 
 // The wgmma kernel's tiles: 128 query rows (two consumer warpgroups of 64), kv blocks of 128
-// rows for d_v <= 128 and 64 for d_v = 256 (the O accumulator's registers), one CTA per SM.
+// rows for d_v <= 128 and 80 for d_v = 256 (the O accumulator's registers and the 2-stage ring's
+// shared memory bound it), one CTA per SM.
 inline constexpr DenseTileShape dense_sm90_shape(int d_v) {
-  return {128, d_v <= 128 ? 128 : 64, 1};
+  return {128, d_v <= 128 ? 128 : 80, 1};
 }
 
 }  // namespace dsakit::cuda::dense_mha

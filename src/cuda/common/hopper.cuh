@@ -270,6 +270,21 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
 #undef DSAKIT_WGMMA_M64N64K16_SS
 }
 
+// d[64 x 80] (+)= A[64 x 16] · B[16 x 80], A and B from shared memory (descriptors); kTransB: B
+// is MN-major (N contiguous). scale_d == 0 overwrites d.
+template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n80k16_ss(float (&d)[40], uint64_t desc_a, uint64_t desc_b,
+                                                  int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, %43;\n}\n"
+      : DSAKIT_WGMMA_F32X32(d),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+}
+
 // The 64 accumulator operands d[o], …, d[o + 63] of an m64n128 wgmma (o = 0) or half of an
 // m64n256 one, as inline-asm constraints.
 #define DSAKIT_WGMMA_F32X64_AT(d, o) \

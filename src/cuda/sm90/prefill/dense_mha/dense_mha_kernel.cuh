@@ -12,7 +12,8 @@
 //   WG0 / WG1 (consumers): WG w owns query rows [64w, 64w + 64) of the tile and visits the kv
 //     blocks those rows see. Per block b:
 //       S = Q_w · K_bᵀ                  (64 x kBlockN, wgmma from shared memory, K = d_qk)
-//       P = exp2(S · sm_scale · log2 e − m), the online max m and sum l per row (registers)
+//       P = exp2(S · sm_scale · log2 e − m), the online offset m (a lagging max) and sum l per
+//         row (registers)
 //       O = O · alpha + P · V_b          (64 x d_v, P from registers as bf16)
 //     S of block b + 1 is issued before P·V of block b, and its softmax runs while P·V does:
 //     only the O rescale waits for it. The two groups take turns issuing (named barriers
@@ -59,7 +60,7 @@ struct DenseSm90Traits {
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   static_assert(kDimNope % 64 == 0 && kDimRope % 64 == 0 && kDimV % 64 == 0);
-  static_assert(kBlockM == 2 * kWgRows && (kBlockN == 64 || kBlockN == 128));
+  static_assert(kBlockM == 2 * kWgRows && (kBlockN == 64 || kBlockN == 80 || kBlockN == 128));
   static_assert(kDimV == 128 || kDimV == 256, "P·V is one m64n128 or m64n256 wgmma per k16");
 
   static constexpr int kQTileBytes = kBlockM * 128;
@@ -79,6 +80,8 @@ struct DenseSm90Traits {
   static constexpr int kBarVStaged = kBarVEmpty + 8 * kStages;
   static constexpr int kSmemBytes = kBarVStaged + 8 * kStages;
   static constexpr int kTurn0 = 1;  // named barriers kTurn0 + w: group w's turn to issue MMAs
+  // How far (log2 units) a block's max may pass the softmax offset before O is rescaled.
+  static constexpr float kRescaleSlack = 8.f;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
 
   // setmaxnreg moves registers within the launch allocation (168 x 384 under
@@ -102,6 +105,8 @@ __device__ __forceinline__ void issue_qk(float (&s)[kN / 2], uint32_t q, uint32_
       const uint64_t ok = uint64_t(tile * kKTileBytes + ks * 32) >> 4;
       if constexpr (kN == 128)
         sm90::wgmma_m64n128k16_ss<0>(s, dq + oq, dk + ok, tile > 0 || ks > 0);
+      else if constexpr (kN == 80)
+        sm90::wgmma_m64n80k16_ss<0>(s, dq + oq, dk + ok, tile > 0 || ks > 0);
       else
         sm90::wgmma_m64n64k16_ss<0>(s, dq + oq, dk + ok, tile > 0 || ks > 0);
     }
@@ -277,7 +282,10 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
     sm90::wgmma_commit();
   };
   // Mask of block b (causal: kv position n visible to row r iff n <= limit[r]), online softmax:
-  // s becomes P (fp32), m and l move on; returns alpha, the factor O must be rescaled by.
+  // s becomes P (fp32), m and l move on; returns alpha, the factor O must be rescaled by. m is the
+  // exponent offset of O and l, not the exact running max: it moves only when a block's max
+  // passes it by more than kRescaleSlack (log2 units), so P = 2^(s - m) <= 2^kRescaleSlack and
+  // most blocks leave alpha = 1 and skip the O rescale; the output O / l is the same.
   const auto softmax = [&](int b, float(&alpha)[2]) {
     const int n0 = b * kN;
     const bool needs_mask = n0 + kN - 1 > tile.first_query_pos + row_base;
@@ -293,9 +301,11 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m[r], quad_max(block_max[r]) * scale_log2);
+      const float m_block = quad_max(block_max[r]) * scale_log2;
+      const bool moves = m_block > m[r] + Tr::kRescaleSlack;  // false for NaN, true from -inf
+      const float m_new = moves ? m_block : m[r];
       const float offset = softmax_offset(m_new);
-      alpha[r] = exp2_approx(m[r] - offset);
+      alpha[r] = moves ? exp2_approx(m[r] - offset) : 1.f;
       m[r] = m_new;
       float sum = 0.f;
 #pragma unroll
@@ -351,7 +361,7 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
     sm90::fence_operands(o);
     sm90::fence_operands(a);
     sm90::mbarrier_arrive(bar(Tr::kBarVEmpty, stage_of(i)));
-    if constexpr (kNext) {
+    if (kNext && (alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int j = 0; j < kDimV / 8; ++j) {
         o[4 * j + 0] *= alpha[0];

@@ -22,15 +22,16 @@
 //   Q   [9 tiles]  73728      K0 [9 tiles] 73728      K1 [9 tiles] 73728
 //   P1  [1 tile]    8192      P0 lives in K0's tile 8 (its rope dims: read by S0 only, and
 //                             reloaded by the producer only after WG1 has consumed P0)
-//   mbarriers, valid flags [2][64], row maxima [3][64] (WG0's own; the final one, by iteration
+//   mbarriers, valid flags [2][64], row offsets [3][64] (WG0's own; the final one, by iteration
 //   parity), row sums [2][64], Q's power-of-two shift and the producer warps' |Q| maxima (f16)
 //
 // Synchronization per iteration (named barriers between the consumer groups, 256 threads):
-//   WG0: softmax with max(m, S0) -> row_max[0]; arrive MAX0; O += P0·V0L; wait; release K0.L
-//        (the first half the producer refills); sync MAX1 (the final max in row_max[1 + i % 2]);
-//        P0 rescaled -> smem; arrive P0; rescale O; sync P1; O += P1·V1L; issue the next S0's
-//        L half; wait for P1·V1L; release K1.L; issue the next S0's R half; wait.
-//   WG1: sync MAX0; final max = max(row_max[0], S1) -> row_max[1 + i % 2]; arrive MAX1;
+//   WG0: softmax with the offset after S0 -> row_max[0]; arrive MAX0; O += P0·V0L; wait; release
+//        K0.L (the first half the producer refills); sync MAX1 (the iteration's final offset in
+//        row_max[1 + i % 2]); P0 rescaled -> smem; arrive P0; rescale O; sync P1; O += P1·V1L;
+//        issue the next S0's L half; wait for P1·V1L; release K1.L; issue the next S0's R half;
+//        wait. (Offsets: see m below; a rescale by 1 is skipped.)
+//   WG1: sync MAX0; final offset from row_max[0] and S1 -> row_max[1 + i % 2]; arrive MAX1;
 //        softmax; O += P1·V1R; P1 -> smem; arrive P1; sync P0; O += P0·V0R; wait; release K1.R,
 //        K0.R; next S1 (R half, then L).
 // A group passes MAX0 of iteration i + 1 only after WG0's P1·V1L of iteration i has completed,
@@ -80,7 +81,8 @@ struct Sm90Config {
   static constexpr int kBarKEmpty = kBars + 40;  // + 8 * (2 * buffer + half)
   static constexpr int kBarValid = kBars + 72;
   static constexpr int kValid = kBars + 80;  // u8 [2][64]
-  // f32 [3][64]: WG0's max, then the final max (by WG1) in two slots by iteration parity.
+  // f32 [3][64]: WG0's softmax offset, then the final one (by WG1) in two slots by iteration
+  // parity; in the epilogue slot 0 holds WG1's exact max.
   static constexpr int kRowMax = kValid + 2 * kBlock;
   static constexpr int kRowSum = kRowMax + 3 * 4 * kHeads;  // f32 [2][64]
   // f16 operands (the fp8-raw pool): the power-of-two exponent Q was scaled by (i32), and the
@@ -95,6 +97,9 @@ struct Sm90Config {
   static constexpr int kSyncMax0 = 1, kSyncMax1 = 2, kSyncP0 = 3, kSyncP1 = 4, kSyncSum = 5;
   // Among the producer's four warps (128 threads): the |Q| maximum of the f16 path.
   static constexpr int kSyncProducer = 6;
+
+  // How far (log2 units) a block's max may pass the softmax offset before O is rescaled.
+  static constexpr float kRescaleSlack = 8.f;
 };
 
 // The MMA operand type per pool layout: the fp8-raw pool's codes (one scale for the pool) widen
@@ -550,8 +555,14 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float s[32];
-  float m[2] = {-1e30f, -1e30f};  // running max, log2 domain (finite: exp2(m - m) stays 1)
-  float l[2] = {0.f, 0.f};        // running sum of this thread's columns
+  // m: the exponent offset of O and l (log2 domain; finite: exp2(m - m) stays 1), shared by the
+  // two groups at the end of every iteration. It is not the exact running max: it moves only
+  // when a block's max passes it by more than kRescaleSlack, so P = 2^(s - m) <= 2^kRescaleSlack
+  // and most iterations leave O unscaled; the output O / l is the same. m_true: the exact max of
+  // this group's blocks (max_logits).
+  float m[2] = {-1e30f, -1e30f};
+  float m_true[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.f, 0.f};  // running sum of this thread's columns
 
   // S of block 2 it + wg, as two commit groups (the half filled first, then the other). WG0 reads
   // its buffer L then R, WG1 R then L: the order the producer fills them. Between the two a
@@ -611,10 +622,19 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) block_max[r] = quad_max(block_max[r]) * scale_log2;
+    for (int r = 0; r < 2; ++r) {
+      block_max[r] = quad_max(block_max[r]) * scale_log2;
+      m_true[r] = fmaxf(m_true[r], block_max[r]);
+    }
+    // The offset after a block with max x over offset m0.
+    const auto next_offset = [](float m0, float x) {
+      return x > m0 + C::kRescaleSlack ? x : m0;  // false for NaN and for -inf
+    };
 
     uint32_t a[4][4];
-    const auto softmax = [&](const float(&m_new)[2]) {
+    // O and l to offset m_new[r] from m[r] (no work where they are equal).
+    const auto rescale_o = [&](const float(&m_new)[2]) {
+      if (m_new[0] == m[0] && m_new[1] == m[1]) return;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float alpha = exp2_approx(m[r] - m_new[r]);
@@ -624,6 +644,12 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
           o[4 * j + 2 * r] *= alpha;
           o[4 * j + 2 * r + 1] *= alpha;
         }
+      }
+    };
+    const auto softmax = [&](const float(&m_new)[2]) {
+      rescale_o(m_new);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           float& s0 = s[4 * j + 2 * r];
@@ -640,8 +666,8 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       float m_own[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        m_own[r] = fmaxf(m[r], block_max[r]);
-        if (q == 0) row_max[row0 + 8 * r] = m_own[r];  // WG0's max
+        m_own[r] = next_offset(m[r], block_max[r]);
+        if (q == 0) row_max[row0 + 8 * r] = m_own[r];  // WG0's offset
       }
       softmax(m_own);
       sm90::named_barrier_arrive(C::kSyncMax0, 256);
@@ -657,32 +683,28 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       sm90::fence_operands(a);
       sm90::mbarrier_arrive(bar_empty(0, 0));
 
-      // The final max of both blocks: rescale this block's P for WG1, then O and l.
+      // The offset after both blocks: this block's P for WG1 to it, then O and l.
       sm90::named_barrier_sync(C::kSyncMax1, 256);
-      float beta[2];
+      float m_final[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m_final = row_max[(1 + (it & 1)) * C::kHeads + row0 + 8 * r];
-        beta[r] = exp2_approx(m[r] - m_final);
-        m[r] = m_final;
+      for (int r = 0; r < 2; ++r) m_final[r] = row_max[(1 + (it & 1)) * C::kHeads + row0 + 8 * r];
+      if (m_final[0] != m[0] || m_final[1] != m[1]) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          s[4 * j + 2 * r] *= beta[r];
-          s[4 * j + 2 * r + 1] *= beta[r];
+        for (int r = 0; r < 2; ++r) {
+          const float beta = exp2_approx(m[r] - m_final[r]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            s[4 * j + 2 * r] *= beta;
+            s[4 * j + 2 * r + 1] *= beta;
+          }
         }
       }
       store_p<kAb>(s, base + C::kP0, warp, lane);
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_arrive(C::kSyncP0, 256);
+      rescale_o(m_final);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        l[r] *= beta[r];
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j + 2 * r] *= beta[r];
-          o[4 * j + 2 * r + 1] *= beta[r];
-        }
-      }
+      for (int r = 0; r < 2; ++r) m[r] = m_final[r];
       sm90::named_barrier_sync(C::kSyncP1, 256);
       sm90::fence_operands(o);
       sm90::wgmma_fence();
@@ -710,7 +732,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       float m_final[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        m_final[r] = fmaxf(row_max[row0 + 8 * r], block_max[r]);
+        m_final[r] = next_offset(row_max[row0 + 8 * r], block_max[r]);
         if (q == 0) row_max[(1 + (it & 1)) * C::kHeads + row0 + 8 * r] = m_final[r];
       }
       sm90::named_barrier_arrive(C::kSyncMax1, 256);
@@ -742,11 +764,16 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   }
 
   // ---- epilogue: the two groups' row sums, normalize, write -----------------------------------
+  // WG1's exact max goes to row_max[0]: WG0 wrote that slot last before its final MAX0 arrival,
+  // and WG1 read it last after it.
   float total[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] = quad_sum(l[r]);
-    if (q == 0) row_sum[wg * C::kHeads + row0 + 8 * r] = l[r];
+    if (q == 0) {
+      row_sum[wg * C::kHeads + row0 + 8 * r] = l[r];
+      if (wg == 1) row_max[row0 + 8 * r] = m_true[r];
+    }
   }
   sm90::named_barrier_sync(C::kSyncSum, 256);
 #pragma unroll
@@ -764,7 +791,9 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
           pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
     if (wg == 0 && q == 0) {
       p.lse[th] = total[r] == 0.f ? INFINITY : (m[r] + log2f(total[r])) * kLn2;
-      if (p.max_logits != nullptr) p.max_logits[th] = total[r] == 0.f ? -INFINITY : m[r] * kLn2;
+      if (p.max_logits != nullptr)
+        p.max_logits[th] =
+            total[r] == 0.f ? -INFINITY : fmaxf(m_true[r], row_max[row0 + 8 * r]) * kLn2;
     }
   }
 }
