@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -100,6 +101,18 @@ struct Row {
 // Which attention kernels time_each_kernel times (--wgmma-only: the sm90 ones alone).
 bool g_time_mma_sync = true;
 
+// --filter: the shapes to time (a regex searched in each shape's label); unset: all.
+std::optional<std::regex> g_filter;
+int g_selected = 0;  // shapes timed
+
+// Whether the shape labelled `shape` is timed (and, if so, says so on stderr as `what`).
+bool selected(const std::string& shape, const char* what) {
+  if (g_filter && !std::regex_search(shape, *g_filter)) return false;
+  ++g_selected;
+  std::fprintf(stderr, "[bench] %s%s\n", what, shape.c_str());
+  return true;
+}
+
 // Rows "<stem>_sm80" and "<stem>_sm90": fn(i) timed with each attention kernel forced through
 // `option` (one of be.options()'s kernel choices, restored afterwards); a kernel without an
 // instance for the shape (kUnsupported) adds no row.
@@ -125,7 +138,7 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
                              KvLayout layout) {
   const std::string shape =
       fmt::format("{} H={} T={} {}", c.name, c.num_heads, t, to_string(layout));
-  std::fprintf(stderr, "[bench] %s\n", shape.c_str());
+  if (!selected(shape, "")) return {};
   const int64_t h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
                 dv = c.v_head_dim, dc = c.kv_lora_rank, hi = c.index_n_heads, di = c.index_head_dim;
   const int k = c.index_topk;
@@ -294,7 +307,7 @@ std::vector<Row> bench_dense(cuda::CudaBackend& be, const ModelConfig& c,
     pairs += double(e) * p + double(e) * (e + 1) / 2;
   }
   const std::string shape = fmt::format("{} H={} [{}]", c.name, c.num_heads, batch);
-  std::fprintf(stderr, "[bench] dense %s\n", shape.c_str());
+  if (!selected(shape, "dense ")) return {};
   const int64_t h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
                 dv = c.v_head_dim, t = cu_q.back(), n = cu_kv.back();
   be.options().host_value_checks = false;
@@ -357,7 +370,7 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
                               KvLayout layout) {
   const std::string shape =
       fmt::format("{} H={} T={} {}", c.name, c.num_heads, t, to_string(layout));
-  std::fprintf(stderr, "[bench] sparse %s\n", shape.c_str());
+  if (!selected(shape, "sparse ")) return {};
   const int64_t h = c.num_heads, dr = c.qk_rope_head_dim, dc = c.kv_lora_rank, hi = c.index_n_heads,
                 di = c.index_head_dim;
   const int k = c.index_topk;
@@ -439,7 +452,7 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
 // FLOPs: 2 · H_i · d_i per visible (row, key) pair of those rows.
 std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int64_t t) {
   const std::string shape = fmt::format("{} H_i={} T={}", c.name, c.index_n_heads, t);
-  std::fprintf(stderr, "[bench] indexer %s\n", shape.c_str());
+  if (!selected(shape, "indexer ")) return {};
   const int64_t hi = c.index_n_heads, di = c.index_head_dim;
   const int k = c.index_topk;
   be.options().host_value_checks = false;
@@ -526,7 +539,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
   std::vector<Row> rows;
   const std::string shape =
       fmt::format("{} H={} T={} layer {}", c.name, c.num_heads, t, to_string(layout));
-  std::fprintf(stderr, "[bench] %s\n", shape.c_str());
+  if (!selected(shape, "")) return {};
   const std::vector<int32_t> len = {int32_t(t)};
   const TokenStore tokens = random_token_store(c, len, 5);
   const Tensor w = be.to_device(random_kv_b_proj(c, 6));
@@ -584,16 +597,26 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "dsakit_bench_cuda: --kv: %s\n", e.what());
         return 2;
       }
+    } else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc) {
+      try {
+        g_filter.emplace(argv[++i]);
+      } catch (const std::regex_error& e) {
+        std::fprintf(stderr, "dsakit_bench_cuda: --filter: not a regular expression: %s (%s)\n",
+                     argv[i], e.what());
+        return 2;
+      }
     } else {
       std::fprintf(stderr,
                    "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse] [--indexer] "
-                   "[--dense] [--layer] [--wgmma-only] [--kv bf16|fp8|fp8-raw]\n"
+                   "[--dense] [--layer] [--wgmma-only] [--kv bf16|fp8|fp8-raw] [--filter REGEX]\n"
                    "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n"
                    "  --dense: only the dense MHA kernels, every compiled kernel per shape\n"
                    "  --layer: only the whole-layer rows (dsakit's layer, end to end)\n"
                    "  --indexer: only the indexer's logits kernels, top-k and indexer_topk\n"
                    "  --wgmma-only: with --sparse / --dense, time the sm90 kernels alone\n"
-                   "  --kv: with --sparse, one pool layout instead of all three\n");
+                   "  --kv: with --sparse, one pool layout instead of all three\n"
+                   "  --filter: only the shapes whose label (as printed in the table's first\n"
+                   "    column) contains a match, e.g. --filter 'glm-5 H=64 \\[(4096|8192)\\]'\n");
       return 2;
     }
   }
@@ -677,6 +700,10 @@ int main(int argc, char** argv) {
                                     : std::vector<ModelConfig>{ds.with_tp(8), glm.with_tp(4)}) {
       auto r = bench_layer(be, c, 256, KvLayout::kBf16);
       rows.insert(rows.end(), r.begin(), r.end());
+    }
+    if (g_filter && g_selected == 0) {
+      std::fprintf(stderr, "dsakit_bench_cuda: --filter matched no shape of this run\n");
+      return 2;
     }
     fmt::print("device {}  ceilings: copy {:.0f} GB/s, cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
                be.capabilities().device_name, ceil.copy_gbs, ceil.gemm_tflops);

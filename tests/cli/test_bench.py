@@ -156,3 +156,19 @@ def test_bench_plot(run, tmp_path):
     assert (tmp_path / "fig.json").exists()
     for name in ("fig-curves.png", "fig-decision.png", "fig-speedup.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--kv", "fp4"], "--kv"),
+    (["--filter", "glm-5 H=(64"], "--filter: not a regular expression"),
+    (["--sparse", "--bogus"], "usage: dsakit_bench_cuda"),
+])
+def test_bench_cuda_bad_flags(dsakit, args, message):
+    """The CUDA kernel benchmark refuses bad flags before it looks for a GPU (exit 2, a message)."""
+    path = dsakit.parent.parent / "bench" / "dsakit_bench_cuda"
+    if not path.exists():
+        pytest.skip(f"{path} not built (no CUDA toolkit, or DSAKIT_BENCH=OFF)")
+    p = subprocess.run([str(path), *args], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert message in p.stderr
+    assert "no GPU visible" not in p.stderr
