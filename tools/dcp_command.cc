@@ -140,7 +140,7 @@ int run_dcp_command(const RunOptions& opt) {
     const StepsResult steps = run_steps(rank_opt, len, cfg, be, forward, no_tables, tokens, out);
     if (rank != 0) return 0;
     if (report) {
-      fmt::print("stages (rank 0, ms, summed over steps)\n");
+      fmt::print("stages (rank 0, ms, summed over steps; first calls include one-time setup)\n");
       for (const auto& [name, ms] : stage_sums(out, steps.prefix_steps))
         fmt::print("  {:<18} {:>10.3f}\n", name, ms);
       fmt::print("  wall {:.1f} ms ({} steps)\n", steps.wall_ms, out.steps.size());
