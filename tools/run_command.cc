@@ -152,8 +152,8 @@ void print_run_text(const RunOptions& opt, const RunState& run, const StepSummar
                     const MemoryReport& mem, const VerifyResult& vr) {
   fmt::print("plan\n");
   for (const auto& p : steps.plan_order) fmt::print("  {:>4} step(s)  {}\n", steps.plans.at(p), p);
-  // One pass: a stage's first call in the process carries one-time setup (on the H200 the first
-  // cuBLAS GEMM of a process takes 70-120 ms; docs/perf.md), which warm timings exclude.
+  // One pass: a stage's first call in the process carries one-time setup (the GEMM library's,
+  // measured in docs/perf.md), which warm timings exclude.
   fmt::print(
       "stages (ms, summed over steps; first calls include one-time setup such as the GEMM "
       "library's; dsakit bench times warm calls)\n");
