@@ -21,7 +21,7 @@
 #   tools/compare-builds.sh --rounds 3 before=.dev/before.patch after=. -- \
 #     --dense --wgmma-only --filter 'glm-5 H=64'
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 rounds=2 out=${OUT:-out}/compare jobs=$(nproc)
 names=() specs=()
 while [ $# -gt 0 ]; do
