@@ -480,10 +480,13 @@ std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int6
   std::vector<Row> rows;
   const int runs = t > 16384 ? 5 : 10;
   const cuda::CudaBackendOptions previous = be.options();
-  for (const auto& [kernel, name] : {std::pair{cuda::IndexerKernel::kTensorCore, "logits_mma_sync"},
-                                     std::pair{cuda::IndexerKernel::kWgmma, "logits_wgmma"}}) {
+  constexpr std::pair<cuda::IndexerKernel, const char*> kLogitsKernels[] = {
+      {cuda::IndexerKernel::kTensorCore, "mma_sync"},
+      {cuda::IndexerKernel::kWgmmaExact, "wgmma_exact"},
+      {cuda::IndexerKernel::kWgmma, "wgmma"}};
+  for (const auto& [kernel, name] : kLogitsKernels) {
     be.options().indexer_kernel = kernel;
-    rows.push_back({shape, name,
+    rows.push_back({shape, fmt::format("logits_{}", name),
                     time_ms(
                         be, [&](int) { be.indexer_logits(a, 0, t, logits, o); }, runs),
                     2.0 * hi * di * pairs, 0});
@@ -502,18 +505,21 @@ std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int6
                   time_ms(
                       be, [&](int) { be.indexer_quantize_q(idx_q, idx_w, q8, gate); }, runs),
                   0, double(t * hi) * (2.0 * di + di + 8)});
+  // indexer_topk whole on the default logits kernel, then on each other one.
   rows.push_back({shape, "indexer_topk",
                   time_ms(
                       be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
                   0, 0});
-  // The same on the wgmma logits (the opt-in kernel), and with every row in one block (no
-  // 256 MiB bound): what the blocking costs.
-  be.options().indexer_kernel = cuda::IndexerKernel::kWgmma;
-  rows.push_back({shape, "indexer_topk wgmma",
-                  time_ms(
-                      be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
-                  0, 0});
+  for (const auto& [kernel, name] : kLogitsKernels) {
+    if (kernel == previous.indexer_kernel) continue;
+    be.options().indexer_kernel = kernel;
+    rows.push_back({shape, fmt::format("indexer_topk {}", name),
+                    time_ms(
+                        be, [&](int) { be.indexer_topk(idx_q, idx_w, a, k, top); }, runs),
+                    0, 0});
+  }
   be.options().indexer_kernel = previous.indexer_kernel;
+  // With every row in one block (no 256 MiB bound): what the blocking costs.
   constexpr const char* kBoundEnv = "DSAKIT_INDEXER_WORKSPACE_BYTES";
   const char* user_bound = std::getenv(kBoundEnv);
   const std::optional<std::string> saved =

@@ -27,17 +27,27 @@ int64_t to_i64(size_t v) {
   return int64_t(v);
 }
 
-// The logits kernel to run: DSAKIT_INDEXER_KERNEL (scalar | tc | sm90) overrides the option.
+// The logits kernel to run: DSAKIT_INDEXER_KERNEL (scalar | tc | sm90-exact | sm90) overrides
+// the option.
 IndexerKernel indexer_kernel(const CudaBackendOptions& options) {
   constexpr const char* kEnv = "DSAKIT_INDEXER_KERNEL";
   const char* s = std::getenv(kEnv);
   if (s == nullptr || *s == 0) return options.indexer_kernel;
   const std::string v = s;
-  DSAKIT_CHECK_ARG(v == "scalar" || v == "tc" || v == "sm90", kEnv,
-                   ": expected 'scalar', 'tc' or 'sm90', got '", v, "'");
-  return v == "sm90" ? IndexerKernel::kWgmma
-         : v == "tc" ? IndexerKernel::kTensorCore
-                     : IndexerKernel::kScalar;
+  DSAKIT_CHECK_ARG(v == "scalar" || v == "tc" || v == "sm90-exact" || v == "sm90", kEnv,
+                   ": expected 'scalar', 'tc', 'sm90-exact' or 'sm90', got '", v, "'");
+  return v == "sm90"         ? IndexerKernel::kWgmma
+         : v == "sm90-exact" ? IndexerKernel::kWgmmaExact
+         : v == "tc"         ? IndexerKernel::kTensorCore
+                             : IndexerKernel::kScalar;
+}
+
+// The wgmma logits kernel's operands for a wgmma choice.
+LogitsOperands logits_operands(IndexerKernel kernel) {
+  return kernel == IndexerKernel::kWgmmaExact ? LogitsOperands::kF16 : LogitsOperands::kE4m3;
+}
+bool is_wgmma(IndexerKernel kernel) {
+  return kernel == IndexerKernel::kWgmmaExact || kernel == IndexerKernel::kWgmma;
 }
 
 // The attention kernel to run: the environment variable `env` (auto | sm80 | sm90) overrides
@@ -355,8 +365,8 @@ IndexerLogitsParams logits_params(const IndexerArgs& a) {
 // one (wgmma -> mma.sync -> scalar); the scalar kernel must fit the device's shared memory.
 IndexerKernel choose_logits_kernel(IndexerKernel requested, const IndexerLogitsParams& p,
                                    int device) {
-  if (requested == IndexerKernel::kWgmma && indexer_logits_sm90_supported(p))
-    return IndexerKernel::kWgmma;
+  if (is_wgmma(requested) && indexer_logits_sm90_supported(p, logits_operands(requested)))
+    return requested;
   int optin = 0;
   DSAKIT_CUDA_CHECK(
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -372,8 +382,9 @@ IndexerKernel choose_logits_kernel(IndexerKernel requested, const IndexerLogitsP
 cudaError_t launch_logits(IndexerKernel kernel, const IndexerLogitsParams& p, int key_splits,
                           int sms, cudaStream_t stream) {
   switch (kernel) {
+    case IndexerKernel::kWgmmaExact:
     case IndexerKernel::kWgmma:
-      return launch_indexer_logits_sm90(p, key_splits, sms, stream);
+      return launch_indexer_logits_sm90(p, logits_operands(kernel), key_splits, sms, stream);
     case IndexerKernel::kTensorCore:
       return launch_indexer_logits_tc(p, stream);
     case IndexerKernel::kScalar:

@@ -22,11 +22,13 @@ namespace dsakit::cuda {
 enum class IndexerKernel {
   kScalar,      // fp32 CUDA cores on dequantized codes (indexer/logits.cu): the exact cross-check
   kTensorCore,  // mma.sync e4m3 on the raw codes, fp32-exact per k32 step (indexer/logits_tc.cu);
-                // where it cannot run
-                // (d_i != 128, or too little shared memory) the scalar kernel runs instead
-  kWgmma,       // wgmma e4m3 (sm90/indexer/), fp8 accumulation (~1e-4 from fp32); where it
-                // cannot run (h_i without an instance, page_size % 4 != 0, unaligned codes) the
-                // mma.sync kernel runs instead
+                // where it cannot run (d_i != 128, or too little shared memory) the scalar
+                // kernel runs instead
+  kWgmmaExact,  // wgmma on the codes widened to f16 (sm90/indexer/): fp32-exact, the
+                // arithmetic the mma.sync kernel compiles to; where it cannot run (h_i without an
+                // instance, page_size % 4 != 0, unaligned codes) the mma.sync kernel runs instead
+  kWgmma,       // wgmma e4m3 on the codes, fp8 accumulation (~1e-4 from fp32, DeepGEMM's
+                // arithmetic); the same fallback
 };
 
 struct CudaBackendOptions {
@@ -37,9 +39,10 @@ struct CudaBackendOptions {
   // locations are skipped by stores and gather as zeros).
   bool host_value_checks = true;
   // The mma.sync kernel by default: fp32-exact per k32 step, so the layer keeps the float64
-  // reference's top-k sets. kWgmma is faster (docs/perf.md) with DeepGEMM's fp8 accumulation
-  // (~1e-4 rel-L2), which moves near-tie top-k choices: opt in (docs/numerics.md).
-  // DSAKIT_INDEXER_KERNEL (scalar | tc | sm90) overrides it.
+  // reference's top-k sets. kWgmmaExact has the same numerics on wgmma; kWgmma is faster
+  // (docs/perf.md) with DeepGEMM's fp8 accumulation (~1e-4 rel-L2), which moves near-tie top-k
+  // choices: opt in (docs/numerics.md).
+  // DSAKIT_INDEXER_KERNEL (scalar | tc | sm90-exact | sm90) overrides it.
   IndexerKernel indexer_kernel = IndexerKernel::kTensorCore;
   // The wgmma logits kernel's CTAs per row group over the key range: 0 chooses by grid size
   // (indexer_logits_key_splits); the logits are the same bits for every value (tested).

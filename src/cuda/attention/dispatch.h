@@ -10,6 +10,7 @@
 
 #include "dsakit/pool.h"
 #include "src/cuda/attention/instances.h"
+#include "src/cuda/indexer/logits_operands.h"
 
 namespace dsakit::cuda::attention {
 
@@ -65,11 +66,12 @@ bool dispatch_dense_mha_sm90(int d_nope, int d_rope, int d_v, F&& f) {
 }
 
 template <typename F>
-bool dispatch_indexer_logits_sm90(int h_i, F&& f) {
-#define DSAKIT_X(kHeads)                      \
-  if (h_i == kHeads) {                        \
-    f(std::integral_constant<int, kHeads>{}); \
-    return true;                              \
+bool dispatch_indexer_logits_sm90(int h_i, LogitsOperands ops, F&& f) {
+#define DSAKIT_X(kHeads, kOps)                                         \
+  if (h_i == kHeads && ops == LogitsOperands::kOps) {                  \
+    f(std::integral_constant<int, kHeads>{},                           \
+      std::integral_constant<LogitsOperands, LogitsOperands::kOps>{}); \
+    return true;                                                       \
   }
   DSAKIT_INDEXER_LOGITS_SM90_INSTANCES(DSAKIT_X)
 #undef DSAKIT_X
@@ -99,7 +101,9 @@ inline std::string sparse_mla_sm90_supported() {
 
 inline std::string indexer_logits_sm90_supported() {
   std::string rows;
-#define DSAKIT_X(kHeads) rows += std::string(rows.empty() ? "" : ", ") + #kHeads;
+#define DSAKIT_X(kHeads, kOps)                                       \
+  rows += std::string(rows.empty() ? "" : ", ") + #kHeads " heads" + \
+          (LogitsOperands::kOps == LogitsOperands::kF16 ? " (f16)" : " (e4m3)");
   DSAKIT_INDEXER_LOGITS_SM90_INSTANCES(DSAKIT_X)
 #undef DSAKIT_X
   return rows;

@@ -37,7 +37,11 @@
   X(128, 64, 128)                          \
   X(192, 64, 256)
 
-// Indexer logits, wgmma e4m3 kernel (src/cuda/sm90/indexer/): X(h_i).
+// Indexer logits, wgmma kernel (src/cuda/sm90/indexer/): X(h_i, operands), operands a
+// dsakit::cuda::LogitsOperands enumerator (kF16: codes widened to f16, fp32-exact; kE4m3: e4m3
+// wgmma, fp8 accumulation).
 #define DSAKIT_INDEXER_LOGITS_SM90_INSTANCES(X) \
-  X(64)                                         \
-  X(32)
+  X(64, kF16)                                   \
+  X(32, kF16)                                   \
+  X(64, kE4m3)                                  \
+  X(32, kE4m3)

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "dsakit/formats.h"
+#include "src/cuda/indexer/logits_operands.h"
 
 namespace dsakit::cuda {
 
@@ -75,14 +76,15 @@ cudaError_t launch_indexer_logits(const IndexerLogitsParams& p, cudaStream_t str
 size_t indexer_logits_tc_smem_bytes(int h_i);
 bool indexer_logits_tc_supported(int h_i, int d_i, size_t smem_optin);
 cudaError_t launch_indexer_logits_tc(const IndexerLogitsParams& p, cudaStream_t stream);
-// The wgmma e4m3 logits kernel (src/cuda/sm90/indexer/): the same contract, for the h_i of its
-// instances (instances.h), d_i = 128, page_size % 4 == 0 and 16-byte aligned key pages and
-// query codes; its fp8 accumulation is ~1e-4 rel-L2 from fp32 (the kernel header).
-bool indexer_logits_sm90_supported(const IndexerLogitsParams& p);
+// The wgmma logits kernel (src/cuda/sm90/indexer/): the same contract, for the (h_i, operands)
+// of its instances (instances.h), d_i = 128, page_size % 4 == 0 and 16-byte aligned key pages
+// and query codes. kF16 is fp32-exact like the mma.sync kernel; kE4m3 accumulates in fp8
+// (~1e-4 rel-L2 from fp32; the kernel header).
+bool indexer_logits_sm90_supported(const IndexerLogitsParams& p, LogitsOperands ops);
 // key_splits: CTAs per row group over the key range, 0 to choose by grid size against the
 // device's `sms` streaming multiprocessors (the logits are the same bits for any value).
-cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits, int sms,
-                                       cudaStream_t stream);
+cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, LogitsOperands ops,
+                                       int key_splits, int sms, cudaStream_t stream);
 // threads: the block size per row (256, 512 or 1024), 0 for topk_threads_for(p.width); any
 // other value is cudaErrorInvalidValue.
 cudaError_t launch_topk(const TopkParams& p, int threads, cudaStream_t stream);
@@ -92,7 +94,7 @@ cudaError_t launch_positions_to_locations(const PositionsToLocationsParams& p, c
 namespace indexer_sm90 {
 // One instance per row of DSAKIT_INDEXER_LOGITS_SM90_INSTANCES (its launcher is in the kernel
 // header; cudaErrorInvalidConfiguration when indexer_logits_sm90_accepts() does not hold).
-template <int kHeads>
+template <int kHeads, LogitsOperands kOps>
 cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits, int sms,
                                     cudaStream_t stream);
 

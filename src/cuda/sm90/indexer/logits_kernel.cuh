@@ -1,40 +1,48 @@
-// Lightning-indexer logits on Hopper (wgmma e4m3, warp-specialized), the contract of
+// Lightning-indexer logits on Hopper (wgmma, warp-specialized), the contract of
 // indexer_kernels.h's IndexerLogitsParams:
 //   logits[t, p] = s_k[loc] · Σ_h gate[t,h] · ReLU(q8[t,h,:] · k8[loc,:]),
 //   loc = kv_locs[kv_start[t] + p],  d_i = 128 (kDim), H_i = kHeads.
 //
 // The product is taken transposed, keys on M: Sᵀ[n, (r, h)] = k8[n, :] · q8[r, h, :] with
-// A = 64 keys [64 x 128 codes] and B = 64 (token, head) columns of a consumer [64 x 128 codes],
-// both K-major 128-byte-swizzled shared-memory tiles. A thread's accumulator then holds two
-// keys (rows g, g + 8 of its warp's 16) against 16 of the bank's columns, so the head sum is
-// 16 gated ReLUs per (key, token) in registers plus a reduction over the 4 lanes q that share
-// those keys.
+// A = 64 keys [64 x 128] and B = 64 (token, head) columns of a consumer [64 x 128], both K-major
+// 128-byte-swizzled shared-memory tiles, in one of two operand types (kOps):
+//   kE4m3: the codes as stored (k32 e4m3 wgmmas, rows of 128 B, one swizzle atom wide);
+//   kF16:  the codes widened to f16 by the producer (exact: every e4m3 value is an f16 value),
+//          k16 f16 wgmmas, rows of 256 B laid out as two 128-byte atoms [atom][row][128 B].
+// A thread's accumulator then holds two keys (rows g, g + 8 of its warp's 16) against 16 of the
+// bank's columns, so the head sum is 16 gated ReLUs per (key, token) in registers plus a
+// reduction over the 4 lanes q that share those keys.
 //
 // One CTA of kConsumers + 1 warpgroups per kCtaTokens consecutive rows of the batch (one
 // request, normally) and part of the key tiles (key_splits CTAs per row group when the row
 // groups alone would leave SMs idle, indexer_logits_key_splits):
 //   the last WG (producer): the CTA's query codes and gates once, then the key rows of every
-//     64-key tile of positions [0, context) gathered by location (cp.async, 16 B, completing on
-//     the stage's mbarrier) into a kStages ring, with each row's scale and a valid flag.
+//     64-key tile of positions [0, context) gathered by location into a kStages ring, with each
+//     row's scale and a valid flag: kE4m3 by cp.async (16 B, completing on the stage's
+//     mbarrier); kF16 by 16-byte register loads issued before the wait for the stage, widened
+//     and stored after it (st.shared, then a proxy fence before the arrive).
 //   WG c < kConsumers: owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (128 columns =
 //     kWgTokens x kHeads, two banks of 64) and computes every tile with the same A operand: one
-//     chain of 4 k32 wgmmas per bank, both issued, then bank 0's gated-ReLU head sums while
-//     bank 1's chain runs (wait_group 1), then bank 1's, with the group's gates held in
-//     registers for the whole CTA. Both banks complete within the tile:
-//     ptxas serializes the wgmmas (C7514) when an accumulator is still in flight across the
-//     loop's back edge. With three such groups the others' wgmmas fill the rest.
+//     chain of wgmmas over d_i per bank (4 k32 or 8 k16), both issued, then bank 0's gated-ReLU
+//     head sums while bank 1's chain runs (wait_group 1), then bank 1's, with the group's gates
+//     held in registers for the whole CTA. Both banks complete within the tile: ptxas serializes
+//     the wgmmas (C7514) when an accumulator is still in flight across the loop's back edge. With
+//     three such groups the others' wgmmas fill the rest.
 //
-// Numerics: the tensor cores sum fp8 products in an accumulator that keeps fewer bits than fp32
-// (~1e-4 rel-L2 from fp32 arithmetic on the same codes, as DeepGEMM's kernel); the mma.sync
-// kernel (indexer/logits_tc.cu) is the fp32-exact one (docs/numerics.md).
+// Numerics: with kE4m3 the tensor cores sum the fp8 products in an accumulator that keeps fewer
+// bits than fp32 (~1e-4 rel-L2 from fp32 arithmetic on the same codes, as DeepGEMM's kernel; still
+// ~4.5e-5 when every k32 step is summed in fp32, docs/numerics.md). kF16 takes the f16 path
+// (exact products, fp32 accumulation), the one the mma.sync kernel (indexer/logits_tc.cu)
+// compiles to on sm_90 (F2FP.F16.E4M3 + HMMA.16816.F32): fp32-level logits at half kE4m3's peak
+// tensor rate.
 //
 // Rows of a CTA with different kv_start (a request boundary) are taken one request after the
 // other ("segments"): the tile loop runs per segment and stores only that segment's rows.
 // Rows with ctx_len <= skip_ctx_at_most are not computed (the top-k identity shortcut).
 //
-// Shared memory (bytes, tiles 1024-aligned):
-//   q      [kCtaTokens * kHeads][128]  query codes, row (r, h) = r * kHeads + h   = 49152
-//   keys   [kStages][64][128]          key codes                                 = kStages * 8192
+// Shared memory (bytes, tiles 1024-aligned; kRowBytes = 128 · kElemBytes):
+//   q      [kCtaTokens * kHeads][kRowBytes]  query operand, row (r, h) = r * kHeads + h
+//   keys   [kStages][64][kRowBytes]          key operand (8 / 16 KB a stage)
 //   gate   f32 [kCtaTokens * kHeads]; scale f32 [kStages][64]; valid u8 [kStages][64];
 //   mbarriers q_full, full[kStages], empty[kStages]; the CTA's rows (CtaRows)
 //
@@ -53,11 +61,15 @@
 
 namespace dsakit::cuda::indexer_sm90 {
 
-template <int kHeads_>
+template <int kHeads_, LogitsOperands kOps_>
 struct LogitsConfig {
   static constexpr int kHeads = kHeads_;
-  static constexpr int kDim = 128;           // d_i: codes per vector, one 128-byte row
-  static constexpr int kChunks = kDim / 16;  // 16-byte chunks per row
+  static constexpr LogitsOperands kOps = kOps_;
+  static constexpr bool kF16 = kOps == LogitsOperands::kF16;
+  static constexpr int kDim = 128;           // d_i: codes per vector
+  static constexpr int kChunks = kDim / 16;  // 16-byte chunks of codes per vector
+  static constexpr int kElemBytes = kF16 ? 2 : 1;
+  static constexpr int kAtoms = kElemBytes;  // 128-byte swizzle atoms across a row
   static constexpr int kKeys = 64;           // keys per tile (wgmma M)
   static constexpr int kWgCols = 128;        // (token, head) columns per consumer
   static constexpr int kBankCols = 64;       // columns per wgmma chain (N)
@@ -65,21 +77,24 @@ struct LogitsConfig {
   static constexpr int kBankTokens = kBankCols / kHeads;
   static constexpr int kConsumers = 3;  // consumer warpgroups; WG kConsumers is the producer
   static constexpr int kCtaTokens = kConsumers * kWgTokens;
-  static constexpr int kKSteps = kDim / 32;  // wgmma k32 steps per tile
-  static constexpr int kStages = 8;
+  static constexpr int kKStep = kF16 ? 16 : 32;  // the wgmma's K (elements)
+  static constexpr int kKSteps = kDim / kKStep;  // wgmma steps per tile
+  static constexpr int kStages = kF16 ? 7 : 8;
   static constexpr int kThreads = (kConsumers + 1) * 128;
   // setmaxnreg moves registers within the CTA's launch allocation (kThreads x kEntryRegs under
   // __launch_bounds__(kThreads, 1): 64K registers, 8 per thread the granule): the consumers'
-  // two accumulators take 64 of theirs.
+  // two accumulators take 64 of theirs; the kF16 producer holds a row's 64 codes across the
+  // wait for its stage.
   static constexpr int kEntryRegs = 65536 / kThreads / 8 * 8;
-  static constexpr int kConsumerRegs = 152;
-  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = kF16 ? 144 : 152;
+  static constexpr int kProducerRegs = kF16 ? 80 : 56;
   static_assert(kConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= kEntryRegs * kThreads);
   static_assert(kBankCols % kHeads == 0 && kHeads % 8 == 0, "heads tile a bank's 64 columns");
 
-  static constexpr int kTileBytes = kKeys * kDim;  // 8192
+  static constexpr int kCtaRows = kCtaTokens * kHeads;  // query operand rows
+  static constexpr int kTileBytes = kKeys * kDim * kElemBytes;
   static constexpr int kQ = 0;
-  static constexpr int kKeysOff = kQ + kCtaTokens * kHeads * kDim;
+  static constexpr int kKeysOff = kQ + kCtaRows * kDim * kElemBytes;
   static constexpr int kGate = kKeysOff + kStages * kTileBytes;
   static constexpr int kScale = kGate + 4 * kCtaTokens * kHeads;
   static constexpr int kValid = kScale + 4 * kStages * kKeys;
@@ -91,6 +106,11 @@ struct LogitsConfig {
   static constexpr int kSmemBytes = kRowPlan + 16 * kCtaTokens;
   static_assert(kKeysOff % 1024 == 0 && kTileBytes % 1024 == 0);
   static_assert(kSmemBytes <= 227 * 1024);
+
+  // Byte offset of 16-byte chunk c (0 .. 8 · kAtoms) of operand row n in a tile of `rows` rows.
+  __device__ static uint32_t chunk_offset(int rows, int n, int c) {
+    return uint32_t((c / 8) * rows * 128) + sm90::swizzled_chunk(n, c % 8);
+  }
 };
 
 // ReLU that keeps NaN (max.NaN): a NaN score stays NaN, as in the other logits kernels.
@@ -141,10 +161,10 @@ inline int indexer_logits_key_splits(int64_t groups, int64_t max_tiles, int sms)
   return int(std::max<int64_t>(1, std::min(want, most)));
 }
 
-template <int kHeads>
-__global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
+template <int kHeads, LogitsOperands kOps>
+__global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     indexer_logits_sm90_kernel(const __grid_constant__ IndexerLogitsParams p, int key_splits) {
-  using C = LogitsConfig<kHeads>;
+  using C = LogitsConfig<kHeads, kOps>;
   extern __shared__ __align__(1024) uint8_t smem[];
   const uint32_t base = smem_addr(smem);
   const uint32_t bar_q = base + C::kBarQ;
@@ -177,9 +197,11 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
     rows.start[r] = in_batch ? int64_t(p.kv_start[t]) : 0;
   }
   if (threadIdx.x == 0) {
-    sm90::mbarrier_init(bar_q, 2 * 128);  // the producer's cp.async completions + arrivals
+    // The producer's arrivals, and with kE4m3 its cp.async completions.
+    constexpr uint32_t kFullArrivals = C::kF16 ? 128 : 2 * 128;
+    sm90::mbarrier_init(bar_q, kFullArrivals);
     for (int s = 0; s < C::kStages; ++s) {
-      sm90::mbarrier_init(bar_full(s), 2 * 128);
+      sm90::mbarrier_init(bar_full(s), kFullArrivals);
       sm90::mbarrier_init(bar_empty(s), C::kConsumers * 128);
     }
     sm90::fence_barrier_init();
@@ -194,19 +216,33 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
     // ---- producer --------------------------------------------------------------------------
     sm90::setmaxnreg_dec<C::kProducerRegs>();
     const int ptid = threadIdx.x - 128 * C::kConsumers;
+    // kF16: 16 codes of operand row n (chunk `chunk` of its codes, loaded by the caller) widened
+    // into two f16 chunks of a tile of `rows` rows.
+    const auto store_f16 = [&](uint32_t tile, int rows, int n, int chunk, uint4 codes) {
+      sm90::st_shared_u32x4(tile + C::chunk_offset(rows, n, 2 * chunk),
+                            e4m3x8_to_f16(make_uint2(codes.x, codes.y)));
+      sm90::st_shared_u32x4(tile + C::chunk_offset(rows, n, 2 * chunk + 1),
+                            e4m3x8_to_f16(make_uint2(codes.z, codes.w)));
+    };
     // Queries and gates of the computed rows (zero elsewhere: their columns are never stored).
-    for (int i = ptid; i < C::kCtaTokens * kHeads * C::kChunks; i += 128) {
+    for (int i = ptid; i < C::kCtaRows * C::kChunks; i += 128) {
       const int n = i / C::kChunks, chunk = i % C::kChunks, r = n / kHeads, h = n % kHeads;
       const bool ok = rows.ctx[r] >= 0;
       const uint8_t* src =
           ok ? p.q8 + ((p.row_begin + row0 + r) * kHeads + h) * C::kDim + 16 * chunk : p.q8;
-      sm90::cp_async_16_prefetch(base + C::kQ + sm90::swizzled_chunk(n, chunk), src, ok);
+      if constexpr (C::kF16)
+        store_f16(base + C::kQ, C::kCtaRows, n, chunk, sm90::ld_global_nc_u32x4(src, ok));
+      else
+        sm90::cp_async_16_prefetch(base + C::kQ + sm90::swizzled_chunk(n, chunk), src, ok);
     }
-    for (int n = ptid; n < C::kCtaTokens * kHeads; n += 128) {
+    for (int n = ptid; n < C::kCtaRows; n += 128) {
       const int r = n / kHeads, h = n % kHeads;
       gate_s[n] = rows.ctx[r] >= 0 ? p.gate[(p.row_begin + row0 + r) * kHeads + h] : 0.f;
     }
-    sm90::cp_async_mbarrier_arrive(bar_q);
+    if constexpr (C::kF16)
+      sm90::fence_proxy_async_shared();
+    else
+      sm90::cp_async_mbarrier_arrive(bar_q);
     sm90::mbarrier_arrive(bar_q);
 
     // Key tiles of every segment, in the order the consumers take them. Thread ptid stages row
@@ -234,17 +270,36 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
         const int32_t page = ok ? loc / p.page_size : 0, slot = ok ? loc - page * p.page_size : 0;
         const uint8_t* page_base = p.key_pages + page * page_bytes;
         const uint8_t* codes = page_base + int64_t(slot) * C::kDim;
+        const float* scale =
+            reinterpret_cast<const float*>(page_base + int64_t(p.page_size) * C::kDim) + slot;
         const uint32_t tile = base + C::kKeysOff + stage * C::kTileBytes;
-        sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
+        if constexpr (C::kF16) {
+          // This thread's 64 codes and the row's scale in flight before the wait for the stage.
+          uint4 held[C::kChunks / 2];
 #pragma unroll
-        for (int c = chunk0; c < chunk0 + C::kChunks / 2; ++c)
-          sm90::cp_async_16_prefetch(tile + sm90::swizzled_chunk(row, c), codes + 16 * c, ok);
-        if (chunk0 == 0) {
-          sm90::cp_async_small<4>(base + C::kScale + 4 * (stage * C::kKeys + row),
-                                  page_base + int64_t(p.page_size) * C::kDim + 4 * slot, ok);
-          valid_s[stage * C::kKeys + row] = ok;
+          for (int c = 0; c < C::kChunks / 2; ++c)
+            held[c] = sm90::ld_global_nc_u32x4(codes + 16 * (chunk0 + c), ok);
+          const float row_scale = ok && chunk0 == 0 ? __ldg(scale) : 0.f;
+          sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
+#pragma unroll
+          for (int c = 0; c < C::kChunks / 2; ++c)
+            store_f16(tile, C::kKeys, row, chunk0 + c, held[c]);
+          if (chunk0 == 0) {
+            scale_s[stage * C::kKeys + row] = row_scale;
+            valid_s[stage * C::kKeys + row] = ok;
+          }
+          sm90::fence_proxy_async_shared();
+        } else {
+          sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
+#pragma unroll
+          for (int c = chunk0; c < chunk0 + C::kChunks / 2; ++c)
+            sm90::cp_async_16_prefetch(tile + sm90::swizzled_chunk(row, c), codes + 16 * c, ok);
+          if (chunk0 == 0) {
+            sm90::cp_async_small<4>(base + C::kScale + 4 * (stage * C::kKeys + row), scale, ok);
+            valid_s[stage * C::kKeys + row] = ok;
+          }
+          sm90::cp_async_mbarrier_arrive(bar_full(stage));
         }
-        sm90::cp_async_mbarrier_arrive(bar_full(stage));
         sm90::mbarrier_arrive(bar_full(stage));
       }
     }
@@ -257,7 +312,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
   const int wg = warp / 4, wwarp = warp % 4, g = lane / 4, q = lane % 4;
   constexpr int kT = C::kWgTokens;
   constexpr int kColBlocks = kHeads / 8;  // 8-column blocks per token
-  const uint32_t b_tile = base + C::kQ + uint32_t(wg * C::kWgCols * C::kDim);
+  const uint32_t b_tile = base + C::kQ + uint32_t(wg * C::kWgCols * 128);  // its rows, atom 0
   sm90::mbarrier_wait(bar_q, 0);
   // This thread's gates, held for the whole CTA: columns 8 j + 2 q, + 1 of the group's 128.
   float2 gates[C::kWgCols / 8];
@@ -265,16 +320,24 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
   for (int j = 0; j < C::kWgCols / 8; ++j)
     gates[j] = *reinterpret_cast<const float2*>(gate_s + wg * C::kWgCols + 8 * j + 2 * q);
 
-  // S of bank b of tile n into acc: 4 chained k32 wgmmas, committed as one batch.
-  const auto issue_bank = [&](float(&acc)[32], uint64_t desc_a, int b) {
-    const uint64_t desc_b =
-        sm90::smem_desc_sw128(b_tile + uint32_t(b * C::kBankCols * C::kDim), 16, 1024);
+  // S of bank b of the tile at `keys` into acc: kKSteps chained wgmmas, committed as one batch.
+  // Step ks reads 32 bytes of each row at byte 32 (ks % 4) of atom ks / 4.
+  const auto issue_bank = [&](float(&acc)[32], uint32_t keys, int b) {
+    const uint64_t desc_a0 = sm90::smem_desc_sw128(keys, 16, 1024);
+    const uint64_t desc_b0 =
+        sm90::smem_desc_sw128(b_tile + uint32_t(b * C::kBankCols * 128), 16, 1024);
     sm90::fence_operands(acc);
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < C::kKSteps; ++ks) {
-      const uint64_t offset = uint64_t(ks * 32) >> 4;
-      sm90::wgmma_m64n64k32_e4m3_ss(acc, desc_a + offset, desc_b + offset, ks > 0);
+      // Descriptors address 16-byte units: the step's byte offset >> 4 added to the start.
+      const int atom = ks / 4, offset = (ks % 4) * 32;
+      const uint64_t desc_a = desc_a0 + uint64_t((atom * C::kKeys * 128 + offset) >> 4);
+      const uint64_t desc_b = desc_b0 + uint64_t((atom * C::kCtaRows * 128 + offset) >> 4);
+      if constexpr (C::kF16)
+        sm90::wgmma_m64n64k16_ss<0, sm90::Ab::kF16>(acc, desc_a, desc_b, ks > 0);
+      else
+        sm90::wgmma_m64n64k32_e4m3_ss(acc, desc_a, desc_b, ks > 0);
     }
     sm90::wgmma_commit();
   };
@@ -341,10 +404,9 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
     for (int64_t i = begin; i < end; ++i, ++n) {
       const int stage = n % C::kStages;
       sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
-      const uint64_t desc_a =
-          sm90::smem_desc_sw128(base + C::kKeysOff + stage * C::kTileBytes, 16, 1024);
-      issue_bank(acc0, desc_a, 0);
-      issue_bank(acc1, desc_a, 1);
+      const uint32_t keys_tile = base + C::kKeysOff + stage * C::kTileBytes;
+      issue_bank(acc0, keys_tile, 0);
+      issue_bank(acc1, keys_tile, 1);
       const TileKeys keys{scale_s[stage * C::kKeys + key_lo], scale_s[stage * C::kKeys + key_hi],
                           valid_s[stage * C::kKeys + key_lo] != 0,
                           valid_s[stage * C::kKeys + key_hi] != 0};
@@ -368,15 +430,15 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads>::kThreads, 1)
   }
 }
 
-// Launch for H_i = kHeads; cudaErrorInvalidConfiguration when indexer_logits_sm90_accepts()
-// does not hold (the caller checks it first and runs another kernel). key_splits: CTAs per row
-// group, each over a contiguous part of the key tiles (every position is still written by one
-// CTA, with the same sums: the logits do not depend on it); 0 lets indexer_logits_key_splits
-// choose for a device of `sms` streaming multiprocessors.
-template <int kHeads>
+// Launch for H_i = kHeads with kOps operands; cudaErrorInvalidConfiguration when
+// indexer_logits_sm90_accepts() does not hold (the caller checks it first and runs another kernel).
+// key_splits: CTAs per row group, each over a contiguous part of the key tiles (every position is
+// still written by one CTA, with the same sums: the logits do not depend on it); 0 lets
+// indexer_logits_key_splits choose for a device of `sms` streaming multiprocessors.
+template <int kHeads, LogitsOperands kOps>
 cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits, int sms,
                                     cudaStream_t stream) {
-  using C = LogitsConfig<kHeads>;
+  using C = LogitsConfig<kHeads, kOps>;
   const int64_t rows = p.row_end - p.row_begin;
   if (rows <= 0 || p.width <= 0) return cudaSuccess;
   if (p.h_i != kHeads || !indexer_logits_sm90_accepts(p) || key_splits < 0 || sms < 1)
@@ -386,7 +448,7 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
       key_splits > 0 ? key_splits
                      : indexer_logits_key_splits(groups, (p.width + C::kKeys - 1) / C::kKeys, sms);
   if (groups * splits > INT32_MAX) return cudaErrorInvalidValue;
-  auto* kernel = &indexer_logits_sm90_kernel<kHeads>;
+  auto* kernel = &indexer_logits_sm90_kernel<kHeads, kOps>;
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (status != cudaSuccess) return status;
@@ -397,6 +459,7 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
 }  // namespace dsakit::cuda::indexer_sm90
 
 // One row of DSAKIT_INDEXER_LOGITS_SM90_INSTANCES (src/cuda/attention/instances.h).
-#define DSAKIT_INSTANTIATE_INDEXER_LOGITS_SM90(kHeads)                              \
-  template cudaError_t dsakit::cuda::indexer_sm90::run_indexer_logits_sm90<kHeads>( \
+#define DSAKIT_INSTANTIATE_INDEXER_LOGITS_SM90(kHeads, kOps)                                       \
+  template cudaError_t                                                                             \
+  dsakit::cuda::indexer_sm90::run_indexer_logits_sm90<kHeads, dsakit::cuda::LogitsOperands::kOps>( \
       const dsakit::cuda::IndexerLogitsParams&, int, int, cudaStream_t);
