@@ -38,12 +38,12 @@ struct CudaBackendOptions {
   // devices are checked; kernels still bound-check every index they read (out-of-range
   // locations are skipped by stores and gather as zeros).
   bool host_value_checks = true;
-  // The mma.sync kernel by default: fp32-exact per k32 step, so the layer keeps the float64
-  // reference's top-k sets. kWgmmaExact has the same numerics on wgmma; kWgmma is faster
-  // (docs/perf.md) with DeepGEMM's fp8 accumulation (~1e-4 rel-L2), which moves near-tie top-k
-  // choices: opt in (docs/numerics.md).
+  // The f16 wgmma kernel by default: fp32-exact like the mma.sync kernel (the same f16 tensor
+  // path), so the layer keeps the float64 reference's top-k sets, and 3.3-3.5x faster
+  // (docs/perf.md). kWgmma is faster still with DeepGEMM's fp8 accumulation (~1e-4 rel-L2),
+  // which moves near-tie top-k choices: opt in (docs/numerics.md).
   // DSAKIT_INDEXER_KERNEL (scalar | tc | sm90-exact | sm90) overrides it.
-  IndexerKernel indexer_kernel = IndexerKernel::kTensorCore;
+  IndexerKernel indexer_kernel = IndexerKernel::kWgmmaExact;
   // The wgmma logits kernel's CTAs per row group over the key range: 0 chooses by grid size
   // (indexer_logits_key_splits); the logits are the same bits for every value (tested).
   int indexer_key_splits = 0;
