@@ -39,7 +39,7 @@ struct CudaBackendOptions {
   // locations are skipped by stores and gather as zeros).
   bool host_value_checks = true;
   // The f16 wgmma kernel by default: fp32-exact like the mma.sync kernel (the same f16 tensor
-  // path), so the layer keeps the float64 reference's top-k sets, and 3.3-3.5x faster
+  // path), so the layer keeps the float64 reference's top-k sets, and 2.8-3.7x faster
   // (docs/perf.md). kWgmma is faster still with DeepGEMM's fp8 accumulation (~1e-4 rel-L2),
   // which moves near-tie top-k choices: opt in (docs/numerics.md).
   // DSAKIT_INDEXER_KERNEL (scalar | tc | sm90-exact | sm90) overrides it.

@@ -306,17 +306,20 @@ __device__ __forceinline__ void wgmma_m64n80k16_ss(float (&d)[40], uint64_t desc
   "+f"(d[o + 60]), "+f"(d[o + 61]), "+f"(d[o + 62]), "+f"(d[o + 63])
 #define DSAKIT_WGMMA_F32X128(d) DSAKIT_WGMMA_F32X64_AT(d, 0), DSAKIT_WGMMA_F32X64_AT(d, 64)
 
-// d[64 x 128] (+)= A[64 x 16] · B[16 x 128], A and B from shared memory (descriptors);
-// kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.
-template <int kTransB>
+// d[64 x 128] (+)= A[64 x 16] · B[16 x 128], A and B (bf16, or f16: kAb) from shared memory
+// (descriptors); kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.
+template <int kTransB, Ab kAb = Ab::kBf16>
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                                   int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
-      : DSAKIT_WGMMA_F32X64_AT(d, 0)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+#define DSAKIT_WGMMA_M64N128K16_SS(ab) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." ab "." ab " " \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n" \
+      : DSAKIT_WGMMA_F32X64_AT(d, 0) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB))
+  DSAKIT_WGMMA_FOR_AB(DSAKIT_WGMMA_M64N128K16_SS);
+#undef DSAKIT_WGMMA_M64N128K16_SS
 }
 
 // d[64 x 128] (+)= A[64 x 16] · B[16 x 128], A from registers (the m64n16 accumulator layout of

@@ -22,12 +22,14 @@
 //     mbarrier); kF16 by 16-byte register loads issued before the wait for the stage, widened
 //     and stored after it (st.shared, then a proxy fence before the arrive).
 //   WG c < kConsumers: owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (128 columns =
-//     kWgTokens x kHeads, two banks of 64) and computes every tile with the same A operand: one
-//     chain of wgmmas over d_i per bank (4 k32 or 8 k16), both issued, then bank 0's gated-ReLU
-//     head sums while bank 1's chain runs (wait_group 1), then bank 1's, with the group's gates
-//     held in registers for the whole CTA. Both banks complete within the tile: ptxas serializes
-//     the wgmmas (C7514) when an accumulator is still in flight across the loop's back edge. With
-//     three such groups the others' wgmmas fill the rest.
+//     kWgTokens x kHeads, two banks of 64) and computes every tile with the same A operand.
+//     kE4m3: one chain of 4 k32 wgmmas per bank (N = 64), both issued, then bank 0's gated-ReLU
+//     head sums while bank 1's chain runs (wait_group 1), then bank 1's. kF16: one chain of 8
+//     k16 wgmmas over both banks (N = 128), so each k-step reads the keys' A tile once (the f16
+//     operands are twice the bytes per FLOP), then both banks' sums. The group's gates are held
+//     in registers for the whole CTA. Every chain completes within the tile: ptxas serializes
+//     the wgmmas (C7514) when an accumulator is still in flight across the loop's back edge.
+//     With three such groups the others' wgmmas fill the rest.
 //
 // Numerics: with kE4m3 the tensor cores sum the fp8 products in an accumulator that keeps fewer
 // bits than fp32 (~1e-4 rel-L2 from fp32 arithmetic on the same codes, as DeepGEMM's kernel; still
@@ -320,9 +322,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   for (int j = 0; j < C::kWgCols / 8; ++j)
     gates[j] = *reinterpret_cast<const float2*>(gate_s + wg * C::kWgCols + 8 * j + 2 * q);
 
-  // S of bank b of the tile at `keys` into acc: kKSteps chained wgmmas, committed as one batch.
-  // Step ks reads 32 bytes of each row at byte 32 (ks % 4) of atom ks / 4.
-  const auto issue_bank = [&](float(&acc)[32], uint32_t keys, int b) {
+  // S of the tile at `keys` into acc, kKSteps chained wgmmas committed as one batch: kE4m3 bank
+  // b's 64 columns into acc (32 values), kF16 both banks' 128 into acc (64 values, bank b's at
+  // [32 b, 32 b + 32)). Step ks reads 32 bytes of each row at byte 32 (ks % 4) of atom ks / 4.
+  const auto issue_chain = [&](auto& acc, uint32_t keys, int b) {
     const uint64_t desc_a0 = sm90::smem_desc_sw128(keys, 16, 1024);
     const uint64_t desc_b0 =
         sm90::smem_desc_sw128(b_tile + uint32_t(b * C::kBankCols * 128), 16, 1024);
@@ -335,7 +338,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       const uint64_t desc_a = desc_a0 + uint64_t((atom * C::kKeys * 128 + offset) >> 4);
       const uint64_t desc_b = desc_b0 + uint64_t((atom * C::kCtaRows * 128 + offset) >> 4);
       if constexpr (C::kF16)
-        sm90::wgmma_m64n64k16_ss<0, sm90::Ab::kF16>(acc, desc_a, desc_b, ks > 0);
+        sm90::wgmma_m64n128k16_ss<0, sm90::Ab::kF16>(acc, desc_a, desc_b, ks > 0);
       else
         sm90::wgmma_m64n64k32_e4m3_ss(acc, desc_a, desc_b, ks > 0);
     }
@@ -389,7 +392,11 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     }
   };
 
-  float acc0[32], acc1[32];
+  // Both banks' accumulators, bank b at [32 b, 32 b + 32): one N = 128 chain (kF16) or two N = 64
+  // chains (kE4m3) write them.
+  float acc[64];
+  float(&acc0)[32] = *reinterpret_cast<float(*)[32]>(acc);
+  float(&acc1)[32] = *reinterpret_cast<float(*)[32]>(acc + 32);
   int n = 0;
   int64_t start, limit;
   for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
@@ -405,15 +412,27 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       const int stage = n % C::kStages;
       sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
       const uint32_t keys_tile = base + C::kKeysOff + stage * C::kTileBytes;
-      issue_bank(acc0, keys_tile, 0);
-      issue_bank(acc1, keys_tile, 1);
+      if constexpr (C::kF16) {
+        issue_chain(acc, keys_tile, 0);
+      } else {
+        issue_chain(acc0, keys_tile, 0);
+        issue_chain(acc1, keys_tile, 1);
+      }
       const TileKeys keys{scale_s[stage * C::kKeys + key_lo], scale_s[stage * C::kKeys + key_hi],
                           valid_s[stage * C::kKeys + key_lo] != 0,
                           valid_s[stage * C::kKeys + key_hi] != 0};
-      sm90::wgmma_wait<1>();
+      if constexpr (C::kF16) {
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(acc);
+        sm90::mbarrier_arrive(bar_empty(stage));  // the chain has read the keys
+      } else {
+        sm90::wgmma_wait<1>();
+      }
       finish_bank(acc0, 0, i * C::kKeys, keys, mine);
-      sm90::wgmma_wait<0>();
-      sm90::mbarrier_arrive(bar_empty(stage));  // both banks have read the keys
+      if constexpr (!C::kF16) {
+        sm90::wgmma_wait<0>();
+        sm90::mbarrier_arrive(bar_empty(stage));  // both banks have read the keys
+      }
       finish_bank(acc1, 1, i * C::kKeys, keys, mine);
     }
   }
