@@ -145,7 +145,8 @@ fi
 
 if [ "${result[build]}" = PASS ] && want bench; then
   note "benchmarks"
-  # DSAKIT_BENCH_ARGS (e.g. --quick) and DSAKIT_INDEXER_KERNEL (scalar|tc) pass through.
+  # DSAKIT_BENCH_ARGS (e.g. --quick) and DSAKIT_INDEXER_KERNEL (scalar|tc|sm90-exact|sm90)
+  # pass through.
   # shellcheck disable=SC2086
   if timeout 300 build-dev/bench/dsakit_bench_cuda ${DSAKIT_BENCH_ARGS:-} --json "$out/bench_cuda.json" \
        >"$out/bench_cuda.txt" 2>"$out/bench_cuda.err"; then result[bench]=PASS
