@@ -550,7 +550,8 @@ constexpr double kTolTensorCoreLogits = 1e-5;
 
 // The wgmma kernel's bound against the scalar kernel and the CPU: the FP8 tensor cores'
 // accumulation keeps fewer bits than fp32 (docs/numerics.md); its error is printed. The exact
-// wgmma kernel adds every k32 step in fp32, as the mma.sync kernel does: the mma.sync bound.
+// wgmma kernel widens the codes to f16, the tensor-core path the mma.sync kernel compiles to:
+// it is held to the mma.sync bound.
 constexpr double kTolWgmmaLogits = 1e-3;
 
 const char* logits_kernel_name(cuda::IndexerKernel kernel) {
