@@ -4,8 +4,8 @@
 //   loc = kv_locs[kv_start[t] + p],  d_i = 128 (kDim), H_i = kHeads.
 //
 // The product is taken transposed, keys on M: Sᵀ[n, (r, h)] = k8[n, :] · q8[r, h, :] with
-// A = 64 keys [64 x 128] and B = 64 (token, head) columns of a consumer [64 x 128], both K-major
-// 128-byte-swizzled shared-memory tiles, in one of two operand types (kOps):
+// A = 64 keys [64 x 128] and B = a consumer's (token, head) columns [64 per bank x 128], both
+// K-major 128-byte-swizzled shared-memory tiles, in one of two operand types (kOps):
 //   kE4m3: the codes as stored (k32 e4m3 wgmmas, rows of 128 B, one swizzle atom wide);
 //   kF16:  the codes widened to f16 by the producer (exact: every e4m3 value is an f16 value),
 //          k16 f16 wgmmas, rows of 256 B laid out as two 128-byte atoms [atom][row][128 B].
