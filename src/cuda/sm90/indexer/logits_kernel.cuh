@@ -68,13 +68,12 @@ struct LogitsConfig {
   static constexpr int kHeads = kHeads_;
   static constexpr LogitsOperands kOps = kOps_;
   static constexpr bool kF16 = kOps == LogitsOperands::kF16;
-  static constexpr int kDim = 128;           // d_i: codes per vector
-  static constexpr int kChunks = kDim / 16;  // 16-byte chunks of codes per vector
-  static constexpr int kElemBytes = kF16 ? 2 : 1;
-  static constexpr int kAtoms = kElemBytes;  // 128-byte swizzle atoms across a row
-  static constexpr int kKeys = 64;           // keys per tile (wgmma M)
-  static constexpr int kWgCols = 128;        // (token, head) columns per consumer
-  static constexpr int kBankCols = 64;       // columns per wgmma chain (N)
+  static constexpr int kDim = 128;                 // d_i: codes per vector
+  static constexpr int kChunks = kDim / 16;        // 16-byte chunks of codes per vector
+  static constexpr int kElemBytes = kF16 ? 2 : 1;  // also the 128-byte swizzle atoms per row
+  static constexpr int kKeys = 64;                 // keys per tile (wgmma M)
+  static constexpr int kWgCols = 128;              // (token, head) columns per consumer
+  static constexpr int kBankCols = 64;             // columns per wgmma chain (N)
   static constexpr int kWgTokens = kWgCols / kHeads;
   static constexpr int kBankTokens = kBankCols / kHeads;
   static constexpr int kConsumers = 3;  // consumer warpgroups; WG kConsumers is the producer
@@ -109,7 +108,7 @@ struct LogitsConfig {
   static_assert(kKeysOff % 1024 == 0 && kTileBytes % 1024 == 0);
   static_assert(kSmemBytes <= 227 * 1024);
 
-  // Byte offset of 16-byte chunk c (0 .. 8 · kAtoms) of operand row n in a tile of `rows` rows.
+  // Byte offset of 16-byte chunk c (0 .. 8 · kElemBytes) of operand row n in a tile of `rows` rows.
   __device__ static uint32_t chunk_offset(int rows, int n, int c) {
     return uint32_t((c / 8) * rows * 128) + sm90::swizzled_chunk(n, c % 8);
   }
