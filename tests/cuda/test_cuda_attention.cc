@@ -226,6 +226,12 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kBf16, 3, 64, 2048, false, ScalePolicy::kAmax, 1.f, 0.02},
       {KvLayout::kFp8Scaled, 3, 64, 1000, true, ScalePolicy::kPow2, 1.f, 0.5},
       {KvLayout::kFp8Scaled, 3, 16, 2048, false, ScalePolicy::kPow2, 1.f, 0.02},
+      // More CTAs than an H200 has SMs (150-600), with slot counts (topk_length) of odd and
+      // even block-pair counts and a few of zero: CTAs start while others drain.
+      {KvLayout::kBf16, 300, 64, 200, true},
+      {KvLayout::kBf16, 150, 128, 130, true},
+      {KvLayout::kFp8Raw, 300, 16, 130, true},
+      {KvLayout::kFp8Scaled, 200, 128, 64, true, ScalePolicy::kPow2},
   };
   for (const SparseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {
