@@ -364,12 +364,17 @@ CausalPrompt causal_prompt(Backend& be, int64_t t) {
   return {dev_i32(locs), dev_i32(start), dev_i32(ctx)};
 }
 
+// Pools the sparse rows rotate through: kSets, so a launch reads a pool the previous two did not
+// (at 16K tokens three bf16 pools outgrow the 50 MB L2), or 1 (--one-pool: the layer's case, one
+// pool written just before it is read).
+int g_sparse_pools = kSets;
+
 // The sparse MLA kernels alone over one fresh causal prompt of T tokens: the indexer's real top-k
 // (pool locations), every compiled kernel forced in turn. FLOPs count valid (query, key) pairs.
 std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64_t t,
                               KvLayout layout) {
-  const std::string shape =
-      fmt::format("{} H={} T={} {}", c.name, c.num_heads, t, to_string(layout));
+  const std::string shape = fmt::format("{} H={} T={} {}{}", c.name, c.num_heads, t,
+                                        to_string(layout), g_sparse_pools == 1 ? " one-pool" : "");
   if (!selected(shape, "sparse ")) return {};
   const int64_t h = c.num_heads, dr = c.qk_rope_head_dim, dc = c.kv_lora_rank, hi = c.index_n_heads,
                 di = c.index_head_dim;
@@ -387,7 +392,7 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
   std::vector<PagedKvPool> pools;
   const CausalPrompt prompt = causal_prompt(be, t);
   const Tensor &locs = prompt.locs, &start = prompt.start, &ctx = prompt.ctx;
-  for (int i = 0; i < kSets; ++i) {
+  for (int i = 0; i < g_sparse_pools; ++i) {
     pools.push_back(be.make_kv_pool(kd));
     be.store_kv(pools.back(), locs, random_device(be, DType::kBF16, {t, dc}, 30 + i),
                 random_device(be, DType::kBF16, {t, dr}, 40 + i));
@@ -414,7 +419,7 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
         SparseMlaArgs s;
         s.q_abs = q_abs;
         s.q_pe = q_pe;
-        s.kv = &pools[size_t(i % kSets)];
+        s.kv = &pools[size_t(i) % pools.size()];
         s.indices = loc_top;
         s.topk_length = ctx;
         s.sm_scale = c.softmax_scale();
@@ -437,7 +442,7 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
                            k,
                            groups};
   const Timing tg = time_ms(be, [&](int i) {
-    g.pool = pools[size_t(i % kSets)].storage().ptr<const uint8_t>();
+    g.pool = pools[size_t(i) % pools.size()].storage().ptr<const uint8_t>();
     DSAKIT_CHECK(bench::launch_row_gather(g, be.stream()) == cudaSuccess, kBackend,
                  "row_gather launch");
   });
@@ -596,6 +601,8 @@ int main(int argc, char** argv) {
       layer = true;
     else if (!std::strcmp(argv[i], "--wgmma-only"))
       g_time_mma_sync = false;
+    else if (!std::strcmp(argv[i], "--one-pool"))
+      g_sparse_pools = 1;
     else if (!std::strcmp(argv[i], "--kv") && i + 1 < argc) {
       try {
         sparse_layouts = {parse_kv_layout(argv[++i])};
@@ -614,13 +621,17 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse] [--indexer] "
-                   "[--dense] [--layer] [--wgmma-only] [--kv bf16|fp8|fp8-raw] [--filter REGEX]\n"
+                   "[--dense] [--layer] [--wgmma-only] [--kv bf16|fp8|fp8-raw] [--one-pool] "
+                   "[--filter REGEX]\n"
                    "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n"
                    "  --dense: only the dense MHA kernels, every compiled kernel per shape\n"
                    "  --layer: only the whole-layer rows (dsakit's layer, end to end)\n"
                    "  --indexer: only the indexer's logits kernels, top-k and indexer_topk\n"
                    "  --wgmma-only: with --sparse / --dense, time the sm90 kernels alone\n"
                    "  --kv: with --sparse, one pool layout instead of all three\n"
+                   "  --one-pool: with --sparse, every launch reads one pool (shapes labelled\n"
+                   "    'one-pool'; by default three pools rotate, so L2 holds no launch's pool\n"
+                   "    from the one before it once three pools outgrow it)\n"
                    "  --filter: only the shapes whose label (as printed in the table's first\n"
                    "    column) contains a match, e.g. --filter 'glm-5 H=64 \\[(4096|8192)\\]'\n");
       return 2;
