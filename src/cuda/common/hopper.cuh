@@ -194,6 +194,16 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
+// The same with each matrix stored transposed (.trans): row i of the stored 8x8 matrix m is
+// column i of the registers' matrix m, so a fragment of rows (lane / 4) lands as columns.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---- wgmma --------------------------------------------------------------------------------
 // Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128-byte-swizzled tile (rows of
 // 128 bytes, chunk c of row r at c ^ (r % 8)): where the copies that fill a wgmma operand write.
@@ -253,6 +263,23 @@ enum class Ab { kBf16, kF16 };
   "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// d[64 x 16] (+)= A[64 x 16] · B[16 x 16], A and B (bf16, or f16: kAb) from shared memory
+// (descriptors); kTransA / kTransB: A / B is MN-major (M / N contiguous). scale_d == 0
+// overwrites d.
+template <int kTransA, int kTransB, Ab kAb>
+__device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], uint64_t desc_a, uint64_t desc_b,
+                                                  int scale_d) {
+#define DSAKIT_WGMMA_M64N16K16_SS(ab) \
+  asm volatile( \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n16k16.f32." ab "." ab " " \
+  "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, %12;\n}\n" \
+  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
+  : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
+  DSAKIT_WGMMA_FOR_AB(DSAKIT_WGMMA_M64N16K16_SS);
+#undef DSAKIT_WGMMA_M64N16K16_SS
+}
 
 // d[64 x 64] (+)= A[64 x 16] · B[16 x 64], A and B (bf16, or f16: kAb) from shared memory
 // (descriptors); kTransB: B is MN-major (N contiguous). scale_d == 0 overwrites d.
