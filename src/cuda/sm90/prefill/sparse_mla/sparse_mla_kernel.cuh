@@ -407,138 +407,193 @@ __device__ __forceinline__ void store_p(const float (&s)[32], uint32_t tile, int
                       pack_operand_x2<kAb>(s[8 * ks + 6], s[8 * ks + 7]));
 }
 
+// ---- shared memory, the CTA's token, the producer (both sm90 sparse kernels) ----------------
+
+// Addresses in the CTA's shared memory (Sm90Config's layout) from its base.
+struct Sm90Smem {
+  uint32_t base;
+  __device__ uint32_t q() const { return base + Sm90Config::kQ; }
+  __device__ uint32_t k(int buffer) const {
+    return base + (buffer == 0 ? Sm90Config::kK0 : Sm90Config::kK1);
+  }
+  __device__ uint32_t q_full() const { return base + Sm90Config::kBarQFull; }
+  __device__ uint32_t full(int buffer, int half) const {
+    return base + Sm90Config::kBarKFull + 16 * buffer + 8 * half;
+  }
+  __device__ uint32_t empty(int buffer, int half) const {
+    return base + Sm90Config::kBarKEmpty + 16 * buffer + 8 * half;
+  }
+  __device__ uint32_t valid_full() const { return base + Sm90Config::kBarValid; }
+};
+
+// The mbarriers, by thread 0 before the CTA's first __syncthreads.
+template <KvLayout kLayout>
+__device__ __forceinline__ void init_barriers(const Sm90Smem& sm) {
+  sm90::mbarrier_init(sm.q_full(), 128);
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 2; ++h) {
+      // The 656-byte layout's R half: 128 stores + 128 cp.async completions (its rope tile).
+      sm90::mbarrier_init(sm.full(b, h), kLayout == KvLayout::kFp8Scaled && h == 1 ? 256 : 128);
+      sm90::mbarrier_init(sm.empty(b, h), 128);  // one consumer warpgroup releases a half
+    }
+  sm90::mbarrier_init(sm.valid_full(), 128);
+  sm90::fence_barrier_init();
+}
+
+// A CTA's token and heads: CTA b takes token T - 1 - b / num_groups (last to first: in a prefill
+// batch the later tokens of a request see the longer contexts, so the long CTAs start first and
+// the short ones fill the tail) and heads [head0, head0 + heads_per_cta).
+struct CtaWork {
+  int64_t t;
+  int head0;
+  int num_slots;  // slots read: min(topk_length[t], topk), or topk
+  int num_iters;  // pairs of 64-slot blocks
+  const int32_t* slots;
+};
+
+__device__ __forceinline__ CtaWork cta_work(const SparseMlaParams& p, int heads_per_cta) {
+  const int num_groups = (p.num_heads + heads_per_cta - 1) / heads_per_cta;
+  CtaWork w;
+  w.t = p.num_tokens - 1 - int64_t(blockIdx.x / num_groups);
+  w.head0 = int(blockIdx.x % num_groups) * heads_per_cta;
+  w.num_slots = p.topk;
+  if (p.topk_length != nullptr) w.num_slots = min(max(p.topk_length[w.t], 0), p.topk);
+  w.num_iters = (w.num_slots + 2 * Sm90Config::kBlock - 1) / (2 * Sm90Config::kBlock);
+  w.slots = p.indices + w.t * p.topk;
+  return w;
+}
+
+// The producer warpgroup of a CTA (thread wtid of 128): Q of heads [head0, head0 + 64) into the
+// Q tiles (zero rows past H; f16 operands: scaled into f16's range, load_q_f16), then blocks 2i
+// and 2i + 1 of the token's slots into K0 and K1, half by half in the order K0.L, K1.R, K0.R, K1.L
+// of every iteration, each half on its empty barrier of the iteration's parity, with the slots'
+// valid flags (both buffers' once per iteration, on valid_full).
+template <KvLayout kLayout>
+__device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* smem,
+                                               const CtaWork& work, int wtid) {
+  using C = Sm90Config;
+  constexpr sm90::Ab kAb = kOperand<kLayout>;
+  const int64_t t = work.t;
+  const int head0 = work.head0, num_slots = work.num_slots, num_iters = work.num_iters;
+  const int32_t* slots = work.slots;
+  const Sm90Smem sm{smem_addr(smem)};
+  const uint32_t q_tiles = sm.q(), k0_tiles = sm.k(0), k1_tiles = sm.k(1);
+  const uint32_t bar_q = sm.q_full(), bar_valid = sm.valid_full();
+  const auto bar_full = [&](int buffer, int half) { return sm.full(buffer, half); };
+  const auto bar_empty = [&](int buffer, int half) { return sm.empty(buffer, half); };
+  uint8_t* valid = reinterpret_cast<uint8_t*>(smem + C::kValid);  // [2][64]
+  const int group = wtid / 8, lane8 = wtid % 8;
+  if constexpr (kAb == sm90::Ab::kF16) {
+    load_q_f16(p, t, head0, q_tiles, reinterpret_cast<uint32_t*>(smem + C::kQAmax),
+               reinterpret_cast<int*>(smem + C::kQShift), bar_q, wtid);
+  } else {
+    copy_q_bf16(p, t, head0, q_tiles, group, lane8);
+    sm90::cp_async_mbarrier_arrive(bar_q);
+  }
+
+  // rows[b]: the rows of buffer b's block of this iteration, loaded at least a step before
+  // the wait for the first half they fill. fp8 pools also hold row i of the next step in
+  // registers (staged[i]), loaded as soon as row i of this step is stored, so each load has a
+  // whole step (and the wait for the next buffer) to land.
+  BlockRows rows[2];
+  Fp8Row staged[4];
+  const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
+  if (num_iters > 0) {
+    rows[0] = block_rows(slots, 0, num_slots, group);
+    rows[1] = block_rows(slots, 1, num_slots, group);
+    if constexpr (kLayout != KvLayout::kBf16) {
+      validate_rows(p, rows[0]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) load_row_fp8<kLayout, 0>(p, rows[0].loc[i], lane8, staged[i]);
+    }
+  }
+
+  // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
+  // an iteration), each on its buffer's empty barrier of the iteration's parity. A buffer's
+  // valid flags are written at steps 0 and 1: they are read only by the buffer's own group,
+  // which has masked the previous iteration once it released its first half of the buffer.
+  const auto store_flags = [&](int buffer, const BlockRows& rows) {
+    if (lane8 == 0)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
+  };
+  const auto step = [&](auto buffer_c, auto half_c, int it, bool has_next) {
+    constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
+    const uint32_t full = bar_full(kBuffer, kHalf);
+    const uint32_t tiles = kBuffer == 0 ? k0_tiles : k1_tiles;
+    sm90::mbarrier_wait(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
+    // A block's rows are validated at their first use: bf16, the step that copies the block's
+    // first half; fp8, the step that loads them for the next one.
+    if constexpr (kLayout == KvLayout::kBf16 && kBuffer == kHalf) validate_rows(p, rows[kBuffer]);
+    if constexpr (kLayout != KvLayout::kBf16 && kHalf == 0) validate_rows(p, rows[1 - kBuffer]);
+    if constexpr (kLayout == KvLayout::kBf16) {
+      load_half_bf16(p, rows[kBuffer], tiles, kHalf == 0 ? 0 : C::kHalfTiles,
+                     kHalf == 0 ? C::kHalfTiles : C::kTiles, group, lane8);
+      sm90::cp_async_mbarrier_arrive(full);
+    } else {
+      // The next step: (1, R) after (0, L); (0, R) after (1, R); (1, L) after (0, R); the
+      // next iteration's (0, L) after (1, L).
+      constexpr int kNextBuffer = 1 - kBuffer, kNextHalf = kBuffer == 0 ? 1 - kHalf : kHalf;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        store_row_fp8<kLayout, kHalf>(p, rows[kBuffer].loc[i], staged[i], tiles, i, offsets, lane8);
+        if (has_next)
+          load_row_fp8<kLayout, kNextHalf>(p, rows[kNextBuffer].loc[i], lane8, staged[i]);
+      }
+      sm90::fence_proxy_async_shared();
+      sm90::mbarrier_arrive(full);
+      // The 656-byte layout's R half also waits for its rope copies (a second arrival each).
+      if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
+        sm90::cp_async_mbarrier_arrive(full);
+    }
+    if constexpr (kBuffer == kHalf) store_flags(kBuffer, rows[kBuffer]);  // steps 0 and 1
+    if constexpr (kBuffer == 1 && kHalf == 1) sm90::mbarrier_arrive(bar_valid);
+  };
+  using Zero = std::integral_constant<int, 0>;
+  using One = std::integral_constant<int, 1>;
+#pragma unroll 1
+  for (int it = 0; it < num_iters; ++it) {
+    const bool more = it + 1 < num_iters;
+    step(Zero{}, Zero{}, it, true);  // K0.L; fp8: loads K1.R
+    step(One{}, One{}, it, true);    // K1.R; fp8: loads K0.R
+    step(Zero{}, One{}, it, true);   // K0.R; fp8: loads K1.L
+    // Buffer 0's block of the next iteration (fp8: for the loads issued during K1.L).
+    if (more) rows[0] = block_rows(slots, 2 * it + 2, num_slots, group);
+    step(One{}, Zero{}, it, more);  // K1.L; fp8: loads the next K0.L
+    if (more) rows[1] = block_rows(slots, 2 * it + 3, num_slots, group);
+  }
+  cp_async_wait<0>();
+}
+
 template <KvLayout kLayout>
 __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     sparse_mla_sm90_kernel(const __grid_constant__ SparseMlaParams p) {
   using C = Sm90Config;
   constexpr sm90::Ab kAb = kOperand<kLayout>;
   extern __shared__ __align__(1024) char smem[];
-  const uint32_t base = smem_addr(smem);
-  const uint32_t q_tiles = base + C::kQ;
-  const uint32_t k0_tiles = base + C::kK0, k1_tiles = base + C::kK1;
-  const uint32_t bar_q = base + C::kBarQFull;
-  const auto bar_full = [&](int buffer, int half) {
-    return base + C::kBarKFull + 16 * buffer + 8 * half;
-  };
-  const auto bar_empty = [&](int buffer, int half) {
-    return base + C::kBarKEmpty + 16 * buffer + 8 * half;
-  };
-  const uint32_t bar_valid = base + C::kBarValid;
-  uint8_t* valid = reinterpret_cast<uint8_t*>(smem + C::kValid);  // [2][64]
-  float* row_max = reinterpret_cast<float*>(smem + C::kRowMax);   // [3][64]
-  float* row_sum = reinterpret_cast<float*>(smem + C::kRowSum);   // [2][64]
+  const Sm90Smem sm{smem_addr(smem)};
+  const uint32_t base = sm.base;
+  const uint32_t q_tiles = sm.q(), k0_tiles = sm.k(0), k1_tiles = sm.k(1);
+  const uint32_t bar_q = sm.q_full(), bar_valid = sm.valid_full();
+  const auto bar_full = [&](int buffer, int half) { return sm.full(buffer, half); };
+  const auto bar_empty = [&](int buffer, int half) { return sm.empty(buffer, half); };
+  const uint8_t* valid = reinterpret_cast<const uint8_t*>(smem + C::kValid);  // [2][64]
+  float* row_max = reinterpret_cast<float*>(smem + C::kRowMax);               // [3][64]
+  float* row_sum = reinterpret_cast<float*>(smem + C::kRowSum);               // [2][64]
 
-  // Tokens last to first: in a prefill batch the later tokens of a request see the longer
-  // contexts, so the long CTAs start first and the short ones fill the tail.
-  const int num_groups = (p.num_heads + C::kHeads - 1) / C::kHeads;
-  const int64_t t = p.num_tokens - 1 - int64_t(blockIdx.x / num_groups);
-  const int head0 = int(blockIdx.x % num_groups) * C::kHeads;
-  int num_slots = p.topk;
-  if (p.topk_length != nullptr) num_slots = min(max(p.topk_length[t], 0), p.topk);
-  const int num_iters = (num_slots + 2 * C::kBlock - 1) / (2 * C::kBlock);
-  const int32_t* slots = p.indices + t * p.topk;
+  const CtaWork work = cta_work(p, C::kHeads);
+  const int64_t t = work.t;
+  const int head0 = work.head0, num_iters = work.num_iters;
 
-  if (threadIdx.x == 0) {
-    sm90::mbarrier_init(bar_q, 128);
-    for (int b = 0; b < 2; ++b)
-      for (int h = 0; h < 2; ++h) {
-        // The 656-byte layout's R half: 128 stores + 128 cp.async completions (its rope tile).
-        sm90::mbarrier_init(bar_full(b, h), kLayout == KvLayout::kFp8Scaled && h == 1 ? 256 : 128);
-        sm90::mbarrier_init(bar_empty(b, h), 128);
-      }
-    sm90::mbarrier_init(bar_valid, 128);
-    sm90::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) init_barriers<kLayout>(sm);
   __syncthreads();
 
   // The warpgroup index, warp-uniform as the compiler sees it (wgmma must not sit on a path it
   // considers divergent).
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), wtid = threadIdx.x % 128;
   if (wg == 2) {
-    // ---- producer ----------------------------------------------------------------------------
     sm90::setmaxnreg_dec<C::kProducerRegs>();
-    const int group = wtid / 8, lane8 = wtid % 8;
-    if constexpr (kAb == sm90::Ab::kF16) {
-      load_q_f16(p, t, head0, q_tiles, reinterpret_cast<uint32_t*>(smem + C::kQAmax),
-                 reinterpret_cast<int*>(smem + C::kQShift), bar_q, wtid);
-    } else {
-      copy_q_bf16(p, t, head0, q_tiles, group, lane8);
-      sm90::cp_async_mbarrier_arrive(bar_q);
-    }
-
-    // rows[b]: the rows of buffer b's block of this iteration, loaded at least a step before
-    // the wait for the first half they fill. fp8 pools also hold row i of the next step in
-    // registers (staged[i]), loaded as soon as row i of this step is stored, so each load has a
-    // whole step (and the wait for the next buffer) to land.
-    BlockRows rows[2];
-    Fp8Row staged[4];
-    const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
-    if (num_iters > 0) {
-      rows[0] = block_rows(slots, 0, num_slots, group);
-      rows[1] = block_rows(slots, 1, num_slots, group);
-      if constexpr (kLayout != KvLayout::kBf16) {
-        validate_rows(p, rows[0]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) load_row_fp8<kLayout, 0>(p, rows[0].loc[i], lane8, staged[i]);
-      }
-    }
-
-    // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
-    // an iteration), each on its buffer's empty barrier of the iteration's parity. A buffer's
-    // valid flags are written at steps 0 and 1: they are read only by the buffer's own group,
-    // which has masked the previous iteration once it released its first half of the buffer.
-    const auto store_flags = [&](int buffer, const BlockRows& rows) {
-      if (lane8 == 0)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
-    };
-    const auto step = [&](auto buffer_c, auto half_c, int it, bool has_next) {
-      constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
-      const uint32_t full = bar_full(kBuffer, kHalf);
-      const uint32_t tiles = kBuffer == 0 ? k0_tiles : k1_tiles;
-      sm90::mbarrier_wait(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
-      // A block's rows are validated at their first use: bf16, the step that copies the block's
-      // first half; fp8, the step that loads them for the next one.
-      if constexpr (kLayout == KvLayout::kBf16 && kBuffer == kHalf) validate_rows(p, rows[kBuffer]);
-      if constexpr (kLayout != KvLayout::kBf16 && kHalf == 0) validate_rows(p, rows[1 - kBuffer]);
-      if constexpr (kLayout == KvLayout::kBf16) {
-        load_half_bf16(p, rows[kBuffer], tiles, kHalf == 0 ? 0 : C::kHalfTiles,
-                       kHalf == 0 ? C::kHalfTiles : C::kTiles, group, lane8);
-        sm90::cp_async_mbarrier_arrive(full);
-      } else {
-        // The next step: (1, R) after (0, L); (0, R) after (1, R); (1, L) after (0, R); the
-        // next iteration's (0, L) after (1, L).
-        constexpr int kNextBuffer = 1 - kBuffer, kNextHalf = kBuffer == 0 ? 1 - kHalf : kHalf;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          store_row_fp8<kLayout, kHalf>(p, rows[kBuffer].loc[i], staged[i], tiles, i, offsets,
-                                        lane8);
-          if (has_next)
-            load_row_fp8<kLayout, kNextHalf>(p, rows[kNextBuffer].loc[i], lane8, staged[i]);
-        }
-        sm90::fence_proxy_async_shared();
-        sm90::mbarrier_arrive(full);
-        // The 656-byte layout's R half also waits for its rope copies (a second arrival each).
-        if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
-          sm90::cp_async_mbarrier_arrive(full);
-      }
-      if constexpr (kBuffer == kHalf) store_flags(kBuffer, rows[kBuffer]);  // steps 0 and 1
-      if constexpr (kBuffer == 1 && kHalf == 1) sm90::mbarrier_arrive(bar_valid);
-    };
-    using Zero = std::integral_constant<int, 0>;
-    using One = std::integral_constant<int, 1>;
-#pragma unroll 1
-    for (int it = 0; it < num_iters; ++it) {
-      const bool more = it + 1 < num_iters;
-      step(Zero{}, Zero{}, it, true);  // K0.L; fp8: loads K1.R
-      step(One{}, One{}, it, true);    // K1.R; fp8: loads K0.R
-      step(Zero{}, One{}, it, true);   // K0.R; fp8: loads K1.L
-      // Buffer 0's block of the next iteration (fp8: for the loads issued during K1.L).
-      if (more) rows[0] = block_rows(slots, 2 * it + 2, num_slots, group);
-      step(One{}, Zero{}, it, more);  // K1.L; fp8: loads the next K0.L
-      if (more) rows[1] = block_rows(slots, 2 * it + 3, num_slots, group);
-    }
-    cp_async_wait<0>();
+    produce_blocks<kLayout>(p, smem, work, wtid);
     return;
   }
 
