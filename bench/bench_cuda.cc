@@ -23,6 +23,7 @@
 #include "dsakit/driver.h"
 #include "dsakit/error.h"
 #include "dsakit/layer.h"
+#include "src/cuda/attention/dispatch.h"
 #include "src/cuda/cuda_backend.h"
 #include "tools/harness.h"
 
@@ -413,21 +414,33 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
   be.positions_to_locations(top, locs, start, ctx, loc_top);
   Tensor o_lat = be.empty(DType::kBF16, {t, h, dc}), lse = be.empty(DType::kF32, {t, h});
   std::vector<Row> rows;
-  time_each_kernel(
-      be.options().sparse_mla_kernel, be, shape, "sparse_mla", 2.0 * h * sum_keff * (576 + 512),
-      [&](int i) {
-        SparseMlaArgs s;
-        s.q_abs = q_abs;
-        s.q_pe = q_pe;
-        s.kv = &pools[size_t(i) % pools.size()];
-        s.indices = loc_top;
-        s.topk_length = ctx;
-        s.sm_scale = c.softmax_scale();
-        s.o_lat = o_lat;
-        s.lse = lse;
-        be.sparse_mla(s);
-      },
-      rows);
+  const double flops = 2.0 * h * sum_keff * (576 + 512);
+  const auto run = [&](int i) {
+    SparseMlaArgs s;
+    s.q_abs = q_abs;
+    s.q_pe = q_pe;
+    s.kv = &pools[size_t(i) % pools.size()];
+    s.indices = loc_top;
+    s.topk_length = ctx;
+    s.sm_scale = c.softmax_scale();
+    s.o_lat = o_lat;
+    s.lse = lse;
+    be.sparse_mla(s);
+  };
+  time_each_kernel(be.options().sparse_mla_kernel, be, shape, "sparse_mla", flops, run, rows);
+  // At H <= 16 sparse_mla_sm90 is the keys-on-M kernel; its 64-head variant beside it.
+  if (h <= cuda::attention::kSparseMlaSm90FewHeads &&
+      cuda::attention::dispatch_sparse_mla_sm90_few_heads(layout, [](auto) {})) {
+    const cuda::CudaBackendOptions saved = be.options();
+    be.options().sparse_mla_kernel = AttentionKernel::kWgmma;
+    be.options().sparse_mla_sm90_heads = 64;
+    try {
+      rows.push_back({shape, "sparse_mla_sm90_h64", time_ms(be, run), flops, 0});
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kUnsupported) throw;
+    }
+    be.options() = saved;
+  }
   be.options().host_value_checks = true;
   // The gather alone (bench/row_gather.cu), one CTA per token and per 64-head group as the wgmma
   // kernel runs: its time is the floor of a kernel that must bring these rows into shared

@@ -63,6 +63,17 @@ AttentionKernel attention_kernel(const char* env, AttentionKernel option) {
                        : AttentionKernel::kAuto;
 }
 
+// The wgmma sparse kernel's heads per CTA: DSAKIT_SPARSE_MLA_SM90_HEADS (auto | 16 | 64)
+// overrides the option (auto: 0, by H).
+int sparse_mla_sm90_heads(int option) {
+  const char* s = std::getenv("DSAKIT_SPARSE_MLA_SM90_HEADS");
+  if (s == nullptr || *s == 0) return option;
+  const std::string v = s;
+  DSAKIT_CHECK_ARG(v == "auto" || v == "16" || v == "64",
+                   "DSAKIT_SPARSE_MLA_SM90_HEADS: expected 'auto', '16' or '64', got '", v, "'");
+  return v == "auto" ? 0 : std::stoi(v);
+}
+
 }  // namespace
 
 struct CudaBackend::ProjectionOperands {
@@ -561,7 +572,8 @@ void CudaBackend::sparse_mla(const SparseMlaArgs& args) {
   activate();
   validate::sparse_mla(args, Device::kCuda);
   cuda_sparse_mla(args, stream_,
-                  attention_kernel("DSAKIT_SPARSE_MLA_KERNEL", options_.sparse_mla_kernel));
+                  attention_kernel("DSAKIT_SPARSE_MLA_KERNEL", options_.sparse_mla_kernel),
+                  sparse_mla_sm90_heads(options_.sparse_mla_sm90_heads));
 }
 
 int64_t CudaBackend::dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope,

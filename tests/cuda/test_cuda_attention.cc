@@ -73,7 +73,7 @@ struct SparseCase {
 };
 
 struct SparseResult {
-  std::vector<double> o_lat, lse;
+  std::vector<double> o_lat, lse, max_logits;
   std::vector<uint8_t> o_bits, lse_bits;
   reference::Attention ref;
 };
@@ -155,8 +155,10 @@ class CudaSparseMla : public CudaAttention {
     for (int run = 0; run < 2; ++run) {
       Tensor o = poisoned(DType::kBF16, {t_n, h, kDc});
       Tensor lse = poisoned(DType::kF32, {t_n, h});
+      Tensor max_logits = poisoned(DType::kF32, {t_n, h});
       a.o_lat = o.view();
       a.lse = lse.view();
+      a.max_logits = max_logits.view();
       backend_->sparse_mla(a);
       Tensor o_h = backend_->to_host(o.view()), lse_h = backend_->to_host(lse.view());
       std::vector<uint8_t> ob(o_h.nbytes()), lb(lse_h.nbytes());
@@ -165,6 +167,7 @@ class CudaSparseMla : public CudaAttention {
       if (run == 0) {
         out.o_lat = testing::to_double(o_h.view());
         out.lse = testing::to_double(lse_h.view());
+        out.max_logits = testing::to_double(backend_->to_host(max_logits.view()).view());
         out.o_bits = std::move(ob);
         out.lse_bits = std::move(lb);
       } else {
@@ -232,21 +235,32 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kBf16, 150, 128, 130, true},
       {KvLayout::kFp8Raw, 300, 16, 130, true},
       {KvLayout::kFp8Scaled, 200, 128, 64, true, ScalePolicy::kPow2},
+      // H <= 16 (the keys-on-M wgmma kernel): Q's scale far from 1, the running max moving
+      // within every block, a head count below 8.
+      {KvLayout::kFp8Raw, 3, 12, 300, false, ScalePolicy::kAmax, 1e-6f},
+      {KvLayout::kBf16, 3, 16, 700, true, ScalePolicy::kAmax, 3e4f},
+      {KvLayout::kBf16, 3, 16, 2048, true, ScalePolicy::kAmax, 1.f, 0.5},
+      {KvLayout::kFp8Scaled, 4, 5, 2048, true, ScalePolicy::kPow2},
   };
   for (const SparseCase& c : cases)
-    for (const char* kernel : {"sm80", "sm90"}) {
-      if (std::string(kernel) == "sm90" &&
-          !cuda::attention::dispatch_sparse_mla_sm90(c.layout, [](auto) {}))
+    for (const std::string kernel : {"sm80", "sm90", "sm90-h64"}) {
+      // sm90: the wgmma kernel by H (keys on M for H <= 16); sm90-h64: its 64-head variant at
+      // H <= 16 (above 16 that is what sm90 runs).
+      const bool wgmma = kernel != "sm80";
+      if (kernel == "sm90-h64" &&
+          (c.num_heads > cuda::attention::kSparseMlaSm90FewHeads ||
+           !cuda::attention::dispatch_sparse_mla_sm90_few_heads(c.layout, [](auto) {})))
         continue;
-      const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", kernel);
+      if (wgmma && !cuda::attention::dispatch_sparse_mla_sm90(c.layout, [](auto) {})) continue;
+      const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", wgmma ? "sm90" : "sm80");
+      const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", kernel == "sm90-h64" ? "64" : "auto");
       const uint64_t seed = testing::fresh_seed();
       SCOPED_TRACE(::testing::Message()
                    << "seed " << seed << " kernel " << kernel << " layout " << to_string(c.layout)
                    << " scales " << to_string(c.scale_policy) << " T " << c.num_tokens << " H "
                    << c.num_heads << " k " << c.topk << " topk_length " << c.use_topk_length
                    << " q_stddev " << c.q_stddev << " trend " << c.trend);
-      if (std::string(kernel) == "sm90" && c.layout == KvLayout::kFp8Scaled &&
-          c.scale_policy == ScalePolicy::kAmax) {
+      if (wgmma && c.layout == KvLayout::kFp8Scaled && c.scale_policy == ScalePolicy::kAmax) {
         // The wgmma kernel widens code x scale to bf16: exact for pow2 scales only, so it
         // refuses amax-scaled pools rather than round their values.
         try {
@@ -263,13 +277,17 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       const double err = testing::rel_l2(r.o_lat, r.ref.o);
       EXPECT_LE(err, tol) << "o_lat rel-L2";
       EXPECT_LE(testing::max_abs_diff(r.lse, r.ref.lse), testing::kTolLse) << "lse";
+      EXPECT_LE(testing::max_abs_diff(r.max_logits, r.ref.max_logit), testing::kTolLse)
+          << "max_logits";
       // Token 1 has no valid slot: exactly 0 and +inf.
       if (c.num_tokens > 1) {
         const size_t h = size_t(c.num_heads);
         for (size_t i = h * 512; i < 2 * h * 512; ++i)
           ASSERT_EQ(r.o_lat[i], 0.0) << "o_lat[" << i << "]";
-        for (size_t i = h; i < 2 * h; ++i)
+        for (size_t i = h; i < 2 * h; ++i) {
           ASSERT_EQ(r.lse[i], std::numeric_limits<double>::infinity());
+          ASSERT_EQ(r.max_logits[i], -std::numeric_limits<double>::infinity());
+        }
       }
     }
 }

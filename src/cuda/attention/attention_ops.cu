@@ -57,7 +57,8 @@ AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc) {
                                                   : AttentionKernel::kMmaSync;
 }
 
-void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, AttentionKernel kernel) {
+void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, AttentionKernel kernel,
+                     int sm90_heads) {
   constexpr const char* kOp = "cuda sparse_mla";
   using namespace cuda::sparse_mla;
   require_bf16(a.q_abs, kOp, "q_abs");
@@ -104,9 +105,21 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, AttentionKerne
                  ": the wgmma kernel reads 656-byte fp8 pools with pow2 scales only (it widens "
                  "code x scale to bf16, exact for powers of two); this pool's scale policy is ",
                  to_string(desc.scale_policy), ": use the mma.sync kernel (sm80)");
-    const bool found = cuda::attention::dispatch_sparse_mla_sm90(desc.layout, [&](auto layout) {
-      status = run_sparse_mla_sm90<decltype(layout)::value>(params, stream);
-    });
+    DSAKIT_CHECK(sm90_heads == 0 || sm90_heads == 16 || sm90_heads == 64, kInvalidArgument, kOp,
+                 ": wgmma heads per CTA ", sm90_heads, "; expected 0 (by H), 16 or 64");
+    const auto few_heads = [&](auto layout) {
+      status = run_sparse_mla_sm90_few_heads<decltype(layout)::value>(params, stream);
+    };
+    bool found = false;
+    if (sm90_heads != 64 && num_heads <= cuda::attention::kSparseMlaSm90FewHeads)
+      found = cuda::attention::dispatch_sparse_mla_sm90_few_heads(desc.layout, few_heads);
+    DSAKIT_CHECK(found || sm90_heads != 16, kUnsupported, kOp, ": no 16-head wgmma instance for ",
+                 num_heads, " heads + a ", to_string(desc.layout),
+                 " pool; compiled: ", cuda::attention::sparse_mla_sm90_supported());
+    if (!found)
+      found = cuda::attention::dispatch_sparse_mla_sm90(desc.layout, [&](auto layout) {
+        status = run_sparse_mla_sm90<decltype(layout)::value>(params, stream);
+      });
     DSAKIT_CHECK(found, kUnsupported, kOp, ": no wgmma instance for a ", to_string(desc.layout),
                  " pool; compiled: ", cuda::attention::sparse_mla_sm90_supported());
   } else {

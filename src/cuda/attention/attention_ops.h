@@ -31,9 +31,11 @@ AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc);
 
 // Sparse MLA (docs/design.md, "Sparse MLA"), prefill and decode: q_abs / q_pe / o_lat bf16, d_c
 // 512, d_rope 64, H in [1, 128], any top-k, pool layouts bf16 | fp8 | fp8-raw read by location.
-// `kernel` other than kAuto forces that kernel (kUnsupported where it has no instance).
+// `kernel` other than kAuto forces that kernel (kUnsupported where it has no instance). The
+// wgmma kernel's heads per CTA: `sm90_heads` 0 chooses by H (16, keys on M, for H <= 16 where
+// it has an instance; else 64), 64 or 16 forces one (16: kUnsupported for H > 16).
 void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream,
-                     AttentionKernel kernel = AttentionKernel::kAuto);
+                     AttentionKernel kernel = AttentionKernel::kAuto, int sm90_heads = 0);
 
 // Whether the wgmma dense kernel can run these arguments: an instance for the head dims
 // (instances.h) and operands TMA can address (16-byte aligned bases and row / head strides).

@@ -45,6 +45,21 @@ bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
   return false;
 }
 
+// The H <= 16 wgmma kernel (keys on M): its largest head count, and its instances.
+inline constexpr int kSparseMlaSm90FewHeads = 16;
+
+template <typename F>
+bool dispatch_sparse_mla_sm90_few_heads(KvLayout layout, F&& f) {
+#define DSAKIT_X(kLayout)                                     \
+  if (layout == KvLayout::kLayout) {                          \
+    f(std::integral_constant<KvLayout, KvLayout::kLayout>{}); \
+    return true;                                              \
+  }
+  DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+  return false;
+}
+
 // One dense MHA row: (d_nope, d_rope, d_v) -> f(integral constants).
 #define DSAKIT_X_DENSE_MHA(kNope, kRope, kV)                                      \
   if (d_nope == kNope && d_rope == kRope && d_v == kV) {                          \
@@ -95,6 +110,11 @@ inline std::string sparse_mla_sm90_supported() {
   rows += std::string(rows.empty() ? "" : ", ") + "64 heads/CTA + " + \
           to_string(KvLayout::kLayout) + " pool";
   DSAKIT_SPARSE_MLA_SM90_INSTANCES(DSAKIT_X)
+#undef DSAKIT_X
+#define DSAKIT_X(kLayout)                                                                  \
+  rows += std::string(rows.empty() ? "" : ", ") + "16 heads/CTA, keys on M (H <= 16) + " + \
+          to_string(KvLayout::kLayout) + " pool";
+  DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(DSAKIT_X)
 #undef DSAKIT_X
   return rows;
 }
