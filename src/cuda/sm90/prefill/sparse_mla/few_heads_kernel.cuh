@@ -98,20 +98,10 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   const Sm90Smem sm{smem_addr(smem)};
   const CtaWork work = cta_work(p, F::kHeads);
 
-  if (threadIdx.x == 0) init_barriers<kLayout>(sm);
-  __syncthreads();
-
-  // The warpgroup index, warp-uniform as the compiler sees it (wgmma must not sit on a path it
-  // considers divergent).
-  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), wtid = threadIdx.x % 128;
-  if (wg == 2) {
-    sm90::setmaxnreg_dec<C::kProducerRegs>();
-    produce_blocks<kLayout>(p, smem, work, wtid);
-    return;
-  }
+  int wg, wtid;
+  if (!start_cta<kLayout>(p, smem, sm, work, wg, wtid)) return;
 
   // ---- consumers: group wg takes buffer wg ----------------------------------------------------
-  sm90::setmaxnreg_inc<C::kConsumerRegs>();
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
   const int num_iters = work.num_iters;
   const uint32_t k_tiles = sm.k(wg), q_tiles = sm.q();

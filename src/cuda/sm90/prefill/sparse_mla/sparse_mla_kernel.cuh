@@ -565,6 +565,26 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   cp_async_wait<0>();
 }
 
+// The start of a CTA of either sm90 sparse kernel: the mbarriers, then warpgroup 2 lowers its
+// registers, runs the producer and gets false; the consumer groups raise theirs and get true.
+// wg: the warpgroup index, warp-uniform as the compiler sees it (wgmma must not sit on a path it
+// considers divergent); wtid: the thread's index in its warpgroup.
+template <KvLayout kLayout>
+__device__ __forceinline__ bool start_cta(const SparseMlaParams& p, char* smem, const Sm90Smem& sm,
+                                          const CtaWork& work, int& wg, int& wtid) {
+  if (threadIdx.x == 0) init_barriers<kLayout>(sm);
+  __syncthreads();
+  wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
+  wtid = threadIdx.x % 128;
+  if (wg == 2) {
+    sm90::setmaxnreg_dec<Sm90Config::kProducerRegs>();
+    produce_blocks<kLayout>(p, smem, work, wtid);
+    return false;
+  }
+  sm90::setmaxnreg_inc<Sm90Config::kConsumerRegs>();
+  return true;
+}
+
 template <KvLayout kLayout>
 __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     sparse_mla_sm90_kernel(const __grid_constant__ SparseMlaParams p) {
@@ -585,20 +605,10 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   const int64_t t = work.t;
   const int head0 = work.head0, num_iters = work.num_iters;
 
-  if (threadIdx.x == 0) init_barriers<kLayout>(sm);
-  __syncthreads();
-
-  // The warpgroup index, warp-uniform as the compiler sees it (wgmma must not sit on a path it
-  // considers divergent).
-  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), wtid = threadIdx.x % 128;
-  if (wg == 2) {
-    sm90::setmaxnreg_dec<C::kProducerRegs>();
-    produce_blocks<kLayout>(p, smem, work, wtid);
-    return;
-  }
+  int wg, wtid;
+  if (!start_cta<kLayout>(p, smem, sm, work, wg, wtid)) return;
 
   // ---- consumers ----------------------------------------------------------------------------
-  sm90::setmaxnreg_inc<C::kConsumerRegs>();
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
   const int row0 = 16 * warp + g;  // this thread's rows: row0, row0 + 8
   // fp8-raw: every stored value is code · k_scale, so k_scale multiplies S and O.
