@@ -34,7 +34,8 @@
 //
 // Shared memory: Sm90Config's layout; P1's tile holds the groups' Pᵀ tiles (2 KB each); past it
 // the groups' per-warp head maxima / sums and the epilogue's per-group (m, l, max). The epilogue
-// also stages WG1's scaled Oᵀ (fp32, 32 KB) in Q's tiles once both groups' last Sᵀ is done.
+// also stages WG1's scaled Oᵀ (fp32, 32 KB) in Q's tiles once both groups' last Sᵀ is done (and
+// Q's copies have landed).
 #pragma once
 
 #include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_kernel.cuh"
@@ -290,6 +291,9 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   }
   float* staged = reinterpret_cast<float*>(smem + C::kQ);  // [64 values][128 threads]
   if (wg == 1) {
+    // The producer copies Q for every token: with no iteration, wait for those copies to land
+    // before overwriting them (with one, the first Sᵀ already waited for them).
+    if (num_iters == 0) sm90::mbarrier_wait(sm.q_full(), 0);
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt)
 #pragma unroll
