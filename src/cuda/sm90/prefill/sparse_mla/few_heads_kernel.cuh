@@ -34,8 +34,8 @@
 //
 // Shared memory: Sm90Config's layout; P1's tile holds the groups' Pᵀ tiles (2 KB each); past it
 // the groups' per-warp head maxima / sums and the epilogue's per-group (m, l, max). The epilogue
-// also stages WG1's scaled Oᵀ (fp32, 32 KB) in Q's tiles once both groups' last Sᵀ is done (and
-// Q's copies have landed).
+// also stages WG1's scaled Oᵀ (fp32, 32 KB) in Q's tiles once both groups' last Sᵀ is done (a
+// token with no slot has no Sᵀ, and the producer copies no Q for it).
 #pragma once
 
 #include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_kernel.cuh"
@@ -165,7 +165,6 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     // ---- mask, per-head block max (S stays unscaled: the scale folds into the exponent) ------
     sm90::mbarrier_wait(sm.valid_full(), it & 1);
     const bool ok[2] = {slot_ok[16 * warp + g] != 0, slot_ok[16 * warp + g + 8] != 0};
-    float block_max[4];
 #pragma unroll
     for (int hi = 0; hi < 4; ++hi) {
       const int j = hi / 2, c = hi % 2;
@@ -186,10 +185,10 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       float x = warp_heads[head];
 #pragma unroll
       for (int w = 1; w < 4; ++w) x = fmaxf(x, warp_heads[w * F::kHeads + head]);
-      block_max[hi] = x * scale_log2;
-      m_true[hi] = fmaxf(m_true[hi], block_max[hi]);
+      const float block_max = x * scale_log2;
+      m_true[hi] = fmaxf(m_true[hi], block_max);
       // false for NaN and for -inf
-      m_new[hi] = block_max[hi] > m[hi] + C::kRescaleSlack ? block_max[hi] : m[hi];
+      m_new[hi] = block_max > m[hi] + C::kRescaleSlack ? block_max : m[hi];
       moved |= m_new[hi] != m[hi];
     }
     if (moved) {
@@ -291,9 +290,6 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   }
   float* staged = reinterpret_cast<float*>(smem + C::kQ);  // [64 values][128 threads]
   if (wg == 1) {
-    // The producer copies Q for every token: with no iteration, wait for those copies to land
-    // before overwriting them (with one, the first Sᵀ already waited for them).
-    if (num_iters == 0) sm90::mbarrier_wait(sm.q_full(), 0);
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt)
 #pragma unroll

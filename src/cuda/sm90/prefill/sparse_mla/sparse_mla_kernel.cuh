@@ -463,7 +463,8 @@ __device__ __forceinline__ CtaWork cta_work(const SparseMlaParams& p, int heads_
   return w;
 }
 
-// The producer warpgroup of a CTA (thread wtid of 128): Q of heads [head0, head0 + 64) into the
+// The producer warpgroup of a CTA (thread wtid of 128), for a token with a slot to read: Q of
+// heads [head0, head0 + 64) into the
 // Q tiles (zero rows past H; f16 operands: scaled into f16's range, load_q_f16), then blocks 2i
 // and 2i + 1 of the token's slots into K0 and K1, half by half in the order K0.L, K1.R, K0.R, K1.L
 // of every iteration, each half on its empty barrier of the iteration's parity, with the slots'
@@ -483,6 +484,9 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   const auto bar_empty = [&](int buffer, int half) { return sm.empty(buffer, half); };
   uint8_t* valid = reinterpret_cast<uint8_t*>(smem + C::kValid);  // [2][64]
   const int group = wtid / 8, lane8 = wtid % 8;
+  // A token with no slot to read: no consumer waits for Q or a block, so nothing is copied (and
+  // the keys-on-M kernel's epilogue, which stages its output in Q's tiles, meets no copy there).
+  if (num_iters == 0) return;
   if constexpr (kAb == sm90::Ab::kF16) {
     load_q_f16(p, t, head0, q_tiles, reinterpret_cast<uint32_t*>(smem + C::kQAmax),
                reinterpret_cast<int*>(smem + C::kQShift), bar_q, wtid);
@@ -498,14 +502,12 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   BlockRows rows[2];
   Fp8Row staged[4];
   const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
-  if (num_iters > 0) {
-    rows[0] = block_rows(slots, 0, num_slots, group);
-    rows[1] = block_rows(slots, 1, num_slots, group);
-    if constexpr (kLayout != KvLayout::kBf16) {
-      validate_rows(p, rows[0]);
+  rows[0] = block_rows(slots, 0, num_slots, group);
+  rows[1] = block_rows(slots, 1, num_slots, group);
+  if constexpr (kLayout != KvLayout::kBf16) {
+    validate_rows(p, rows[0]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) load_row_fp8<kLayout, 0>(p, rows[0].loc[i], lane8, staged[i]);
-    }
+    for (int i = 0; i < 4; ++i) load_row_fp8<kLayout, 0>(p, rows[0].loc[i], lane8, staged[i]);
   }
 
   // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
