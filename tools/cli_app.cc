@@ -161,7 +161,8 @@ int run_cli(int argc, char** argv) {
   run->add_option("--threads", ro.threads, "CPU threads (0: all cores)");
   run->add_option("--kv", ro.kv, "Pool layout: bf16 (1152 B/token), fp8 (656 B), fp8-raw (576 B)")
       ->capture_default_str();
-  run->add_option("--scale-policy", ro.scale_policy, "fp8 pool scales: amax | pow2")
+  run->add_option("--scale-policy", ro.scale_policy,
+                  "fp8 pool scales: pow2 (FlashMLA's rule) | amax (docs/formats.md)")
       ->capture_default_str();
   run->add_option("--k-scale", ro.k_scale, "fp8-raw pool scale")->capture_default_str();
   run->add_option("--page-size", ro.page_size, "Tokens per page")->capture_default_str();

@@ -118,6 +118,7 @@ void LayerBench::prepare(const BenchShape& shape) {
   kd.num_pages = pages;
   kd.d_c = c.kv_lora_rank;
   kd.d_rope = c.qk_rope_head_dim;
+  kd.scale_policy = ScalePolicy::kPow2;  // as dsakit run writes its pools (docs/formats.md)
   const int64_t row_bytes =
       2 * (h * (c.qk_nope_head_dim + c.qk_rope_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim +
            int64_t(c.index_n_heads) * c.index_head_dim + c.index_head_dim) +

@@ -13,7 +13,7 @@ struct RunOptions {
   std::string device = "auto";
   int threads = 0;
   std::string kv = "fp8";
-  std::string scale_policy = "amax";
+  std::string scale_policy = "pow2";
   double k_scale = 1.0;
   int page_size = 64;
   std::string prompts = "1500,700";

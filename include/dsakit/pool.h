@@ -31,8 +31,11 @@ struct KvPoolDesc {
   int64_t num_pages = 0;
   int d_c = 512;
   int d_rope = 64;
-  ScalePolicy scale_policy = ScalePolicy::kAmax;  // fp8 only
-  float k_scale = 1.0f;                           // fp8-raw only
+  // fp8 only. What the pool's tile scales are: amax reads any scales exactly (the mma.sync sparse
+  // kernel); declare pow2 only for scales that are powers of two (the wgmma kernel reads those).
+  // dsakit's own writers (dsakit run / bench / calibrate, Python KvPool) default to pow2.
+  ScalePolicy scale_policy = ScalePolicy::kAmax;
+  float k_scale = 1.0f;  // fp8-raw only
 
   KvRowLayout row() const { return {layout, d_c, d_rope}; }
   int bytes_per_token() const { return row().bytes_per_token(); }

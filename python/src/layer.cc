@@ -329,7 +329,7 @@ void bind_layer(nb::module_& m) {
             new (self) PyKvPool(d, parse_device(device));
           },
           "layout"_a, "page_size"_a, "num_pages"_a, "device"_a = "cpu", nb::kw_only(),
-          "d_c"_a = 512, "d_rope"_a = 64, "scale_policy"_a = "amax", "k_scale"_a = 1.0f)
+          "d_c"_a = 512, "d_rope"_a = 64, "scale_policy"_a = "pow2", "k_scale"_a = 1.0f)
       .def_static(
           "wrap",
           [](nb::handle storage, const std::string& layout, int page_size, int d_c, int d_rope,

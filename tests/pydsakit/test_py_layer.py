@@ -55,7 +55,7 @@ def run_schedule(layer, tables, tokens, offsets, begin, end, chunk, mode, outs):
 CASES = [  # layout, prompts, prefix, chunk, decode steps, extra flags
     ("fp8", [300, 120], [0, 0], 64, 2, []),              # dense steps, then sparse, then decode
     ("bf16", [200], [150], 0, 1, []),                     # a cached prefix, sparse
-    ("fp8", [90, 40], [30, 0], 0, 0, ["--scale-policy", "pow2"]),  # dense over a prefix
+    ("fp8", [90, 40], [30, 0], 0, 0, ["--scale-policy", "amax"]),  # dense over a prefix
     ("fp8-raw", [170], [0], 100, 1, ["--k-scale", "0.5"]),
 ]
 
