@@ -33,15 +33,16 @@ bool dispatch_sparse_mla_sm80(int heads_per_cta, KvLayout layout, F&& f) {
   return false;
 }
 
-template <typename F>
-bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
-#define DSAKIT_X(kLayout)                                     \
+// One row of a wgmma sparse table: layout -> f(integral constant).
+#define DSAKIT_X_SPARSE_MLA_SM90(kLayout)                     \
   if (layout == KvLayout::kLayout) {                          \
     f(std::integral_constant<KvLayout, KvLayout::kLayout>{}); \
     return true;                                              \
   }
-  DSAKIT_SPARSE_MLA_SM90_INSTANCES(DSAKIT_X)
-#undef DSAKIT_X
+
+template <typename F>
+bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
+  DSAKIT_SPARSE_MLA_SM90_INSTANCES(DSAKIT_X_SPARSE_MLA_SM90)
   return false;
 }
 
@@ -50,15 +51,10 @@ inline constexpr int kSparseMlaSm90FewHeads = 16;
 
 template <typename F>
 bool dispatch_sparse_mla_sm90_few_heads(KvLayout layout, F&& f) {
-#define DSAKIT_X(kLayout)                                     \
-  if (layout == KvLayout::kLayout) {                          \
-    f(std::integral_constant<KvLayout, KvLayout::kLayout>{}); \
-    return true;                                              \
-  }
-  DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(DSAKIT_X)
-#undef DSAKIT_X
+  DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(DSAKIT_X_SPARSE_MLA_SM90)
   return false;
 }
+#undef DSAKIT_X_SPARSE_MLA_SM90
 
 // One dense MHA row: (d_nope, d_rope, d_v) -> f(integral constants).
 #define DSAKIT_X_DENSE_MHA(kNope, kRope, kV)                                      \

@@ -63,14 +63,9 @@ __device__ __forceinline__ void issue_kq_tiles(float (&s)[8], uint32_t k, uint32
                                                bool accumulate) {
   const uint64_t dk = sm90::smem_desc_sw128(k, 16, 1024);
   const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
-#pragma unroll
-  for (int tile = kFirst; tile < kFirst + kCount; ++tile)
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t offset = uint64_t(tile * Sm90Config::kTileBytes + ks * 32) >> 4;
-      sm90::wgmma_m64n16k16_ss<0, 0, kAb>(s, dk + offset, dq + offset,
-                                          accumulate || tile > kFirst || ks > 0);
-    }
+  for_each_k16_step<kFirst, kCount>(accumulate, [&](uint64_t offset, bool acc) {
+    sm90::wgmma_m64n16k16_ss<0, 0, kAb>(s, dk + offset, dq + offset, acc);
+  });
 }
 
 // Oᵀ[dims of tiles kFirst .. kFirst + 3] += Vᵀ · Pᵀ over the block's 64 keys: A = tile mt of
@@ -330,15 +325,8 @@ cudaError_t run_sparse_mla_sm90_few_heads(const SparseMlaParams& params, cudaStr
   using F = FewHeadsConfig;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_heads > F::kHeads) return cudaErrorInvalidValue;
-  auto* kernel = &sparse_mla_sm90_few_heads_kernel<kLayout>;
-  static std::atomic<uint64_t> smem_set{0};
-  const cudaError_t err =
-      opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), F::kSmemBytes, smem_set);
-  if (err != cudaSuccess) return err;
-  if (params.num_tokens > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(unsigned(params.num_tokens)), Sm90Config::kThreads, F::kSmemBytes, stream>>>(
-      params);
-  return cudaGetLastError();
+  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>>(params, params.num_tokens,
+                                                                        F::kSmemBytes, stream);
 }
 
 }  // namespace dsakit::cuda::sparse_mla

@@ -344,21 +344,29 @@ __device__ __forceinline__ void load_q_f16(const SparseMlaParams& p, int64_t t, 
 
 // ---- consumers ----------------------------------------------------------------------------
 
-// S = Q · K_bᵀ over column tiles [kFirst, kFirst + kCount), accumulating after the first MMA
-// unless `accumulate`.
+// The k16 steps of a product over column tiles [kFirst, kFirst + kCount) of two K-major
+// swizzled tile chains laid out alike (Q and a key buffer): mma(offset, accumulate) per step,
+// offset in the descriptors' 16-byte units, accumulating after the first step unless
+// `accumulate`.
+template <int kFirst, int kCount, typename Mma>
+__device__ __forceinline__ void for_each_k16_step(bool accumulate, Mma&& mma) {
+#pragma unroll
+  for (int tile = kFirst; tile < kFirst + kCount; ++tile)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      mma(uint64_t(tile * Sm90Config::kTileBytes + ks * 32) >> 4,
+          accumulate || tile > kFirst || ks > 0);
+}
+
+// S = Q · K_bᵀ over column tiles [kFirst, kFirst + kCount).
 template <int kFirst, int kCount, sm90::Ab kAb>
 __device__ __forceinline__ void issue_qk_tiles(float (&s)[32], uint32_t q, uint32_t k,
                                                bool accumulate) {
   const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
   const uint64_t dk = sm90::smem_desc_sw128(k, 16, 1024);
-#pragma unroll
-  for (int tile = kFirst; tile < kFirst + kCount; ++tile)
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t offset = uint64_t(tile * Sm90Config::kTileBytes + ks * 32) >> 4;
-      sm90::wgmma_m64n64k16_ss<0, kAb>(s, dq + offset, dk + offset,
-                                       accumulate || tile > kFirst || ks > 0);
-    }
+  for_each_k16_step<kFirst, kCount>(accumulate, [&](uint64_t offset, bool acc) {
+    sm90::wgmma_m64n64k16_ss<0, kAb>(s, dq + offset, dk + offset, acc);
+  });
 }
 
 // O[64 x 256] += P · V over one block: P from registers (a[ks]: keys 16 ks ..), V = tiles
@@ -865,20 +873,27 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   }
 }
 
+// Launches kKernel (either sm90 sparse kernel) on num_ctas CTAs of Sm90Config::kThreads with
+// smem_bytes of dynamic shared memory, opted in once per device.
+template <auto kKernel>
+cudaError_t launch_sm90_sparse(const SparseMlaParams& params, int64_t num_ctas, int smem_bytes,
+                               cudaStream_t stream) {
+  static std::atomic<uint64_t> smem_set{0};
+  const cudaError_t err =
+      opt_in_dynamic_smem(reinterpret_cast<const void*>(kKernel), smem_bytes, smem_set);
+  if (err != cudaSuccess) return err;
+  if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
+  kKernel<<<dim3(unsigned(num_ctas)), Sm90Config::kThreads, smem_bytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
 template <KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90(const SparseMlaParams& params, cudaStream_t stream) {
   using C = Sm90Config;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
-  auto* kernel = &sparse_mla_sm90_kernel<kLayout>;
-  static std::atomic<uint64_t> smem_set{0};
-  const cudaError_t err =
-      opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_set);
-  if (err != cudaSuccess) return err;
   const int64_t num_groups = (params.num_heads + C::kHeads - 1) / C::kHeads;
-  const int64_t num_ctas = params.num_tokens * num_groups;
-  if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(unsigned(num_ctas)), C::kThreads, C::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  return launch_sm90_sparse<&sparse_mla_sm90_kernel<kLayout>>(
+      params, params.num_tokens * num_groups, C::kSmemBytes, stream);
 }
 
 }  // namespace dsakit::cuda::sparse_mla
