@@ -235,6 +235,12 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kBf16, 150, 128, 130, true},
       {KvLayout::kFp8Raw, 300, 16, 130, true},
       {KvLayout::kFp8Scaled, 200, 128, 64, true, ScalePolicy::kPow2},
+      // FP8 pools at 65-128 heads: the paired wgmma kernel (two CTAs of a cluster widen half of
+      // every block each), many clusters, a partly empty second head group, the max moving.
+      {KvLayout::kFp8Raw, 300, 128, 130, true},
+      {KvLayout::kFp8Scaled, 3, 100, 2048, true, ScalePolicy::kPow2, 1.f, 0.5},
+      {KvLayout::kFp8Scaled, 3, 72, 1000, false, ScalePolicy::kPow2, 1.f, 0.02},
+      {KvLayout::kFp8Raw, 3, 128, 300, true, ScalePolicy::kAmax, 3e4f},
       // H <= 16 (the keys-on-M wgmma kernel): Q's scale far from 1, the running max moving
       // within every block, a head count below 8.
       {KvLayout::kFp8Raw, 3, 12, 300, false, ScalePolicy::kAmax, 1e-6f},
@@ -297,103 +303,106 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
 // attending to one location, so o_lat is that row's V as the kernel widened it (P = 1). The
 // 656-byte rows' values are bf16(code · scale) exactly; fp8-raw's fp32(code · k_scale) rounded
 // to bf16, within one bf16 step. A NaN code anywhere in a row (nope or rope) makes its
-// token's o_lat and lse NaN, and the other tokens stay exact.
+// token's o_lat and lse NaN, and the other tokens stay exact. 8 heads and 128 (the wgmma
+// kernel's paired CTAs).
 TEST_F(CudaSparseMla, EveryFp8CodeReadsAsItsValue) {
-  constexpr int kDc = 512, kDr = 64, kHeads = 8;
-  for (const KvLayout layout : {KvLayout::kFp8Raw, KvLayout::kFp8Scaled})
-    for (const std::string kernel : {"sm80", "sm90"}) {
-      if (kernel == "sm90" && !cuda::attention::dispatch_sparse_mla_sm90(layout, [](auto) {}))
-        continue;
-      SCOPED_TRACE(::testing::Message() << "kernel " << kernel << " layout " << to_string(layout));
-      const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", kernel.c_str());
-      KvPoolDesc desc;
-      desc.layout = layout;
-      desc.page_size = 64;
-      desc.num_pages = 4;
-      desc.k_scale = 0.05f;
-      desc.scale_policy = ScalePolicy::kPow2;
-      PagedKvPool pool = backend_->make_kv_pool(desc);
-      const int n = int(desc.num_locations()), row_bytes = desc.bytes_per_token();
-      const KvRowLayout row = desc.row();
-      Rng rng(testing::fresh_seed());
-      // Rows 0..n-5 finite; rows n-4..n-1 hold one NaN code (at nope columns 0, 255, 300 and,
-      // fp8-raw, rope column 40; the 656-byte layout's rope is bf16: nope column 511 there).
-      Tensor bytes = Tensor::host(DType::kU8, {n, row_bytes});
-      uint8_t* b = bytes.ptr<uint8_t>();
-      const auto finite = [](int c) { return uint8_t((c & 0x7f) == 0x7f ? c & 0x80 : c); };
-      for (int r = 0; r < n; ++r) {
-        uint8_t* rb = b + int64_t(r) * row_bytes;
-        for (int d = 0; d < kDc; ++d) rb[d] = finite((r * 37 + d * 5) & 0xff);
-        if (layout == KvLayout::kFp8Raw) {
-          for (int d = 0; d < kDr; ++d) rb[kDc + d] = finite((r * 11 + d * 3 + 1) & 0xff);
-        } else {
-          for (int t = 0; t < kDc / kFp8TileSize; ++t) {
-            const float s = std::ldexp(1.0f, (r + 7 * t) % 29 - 13);
-            std::memcpy(rb + row.scales_offset() + 4 * t, &s, 4);
-          }
-          for (int d = 0; d < kDr; ++d) {
-            const bf16_t v = f32_to_bf16(float(rng.normal()));
-            std::memcpy(rb + row.rope_offset() + 2 * d, &v, 2);
+  constexpr int kDc = 512, kDr = 64;
+  for (const int kHeads : {8, 128})
+    for (const KvLayout layout : {KvLayout::kFp8Raw, KvLayout::kFp8Scaled})
+      for (const std::string kernel : {"sm80", "sm90"}) {
+        if (kernel == "sm90" && !cuda::attention::dispatch_sparse_mla_sm90(layout, [](auto) {}))
+          continue;
+        SCOPED_TRACE(::testing::Message() << "kernel " << kernel << " layout " << to_string(layout)
+                                          << " heads " << kHeads);
+        const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", kernel.c_str());
+        KvPoolDesc desc;
+        desc.layout = layout;
+        desc.page_size = 64;
+        desc.num_pages = 4;
+        desc.k_scale = 0.05f;
+        desc.scale_policy = ScalePolicy::kPow2;
+        PagedKvPool pool = backend_->make_kv_pool(desc);
+        const int n = int(desc.num_locations()), row_bytes = desc.bytes_per_token();
+        const KvRowLayout row = desc.row();
+        Rng rng(testing::fresh_seed());
+        // Rows 0..n-5 finite; rows n-4..n-1 hold one NaN code (at nope columns 0, 255, 300 and,
+        // fp8-raw, rope column 40; the 656-byte layout's rope is bf16: nope column 511 there).
+        Tensor bytes = Tensor::host(DType::kU8, {n, row_bytes});
+        uint8_t* b = bytes.ptr<uint8_t>();
+        const auto finite = [](int c) { return uint8_t((c & 0x7f) == 0x7f ? c & 0x80 : c); };
+        for (int r = 0; r < n; ++r) {
+          uint8_t* rb = b + int64_t(r) * row_bytes;
+          for (int d = 0; d < kDc; ++d) rb[d] = finite((r * 37 + d * 5) & 0xff);
+          if (layout == KvLayout::kFp8Raw) {
+            for (int d = 0; d < kDr; ++d) rb[kDc + d] = finite((r * 11 + d * 3 + 1) & 0xff);
+          } else {
+            for (int t = 0; t < kDc / kFp8TileSize; ++t) {
+              const float s = std::ldexp(1.0f, (r + 7 * t) % 29 - 13);
+              std::memcpy(rb + row.scales_offset() + 4 * t, &s, 4);
+            }
+            for (int d = 0; d < kDr; ++d) {
+              const bf16_t v = f32_to_bf16(float(rng.normal()));
+              std::memcpy(rb + row.rope_offset() + 2 * d, &v, 2);
+            }
           }
         }
-      }
-      const int nan_cols[4] = {0, 255, 300, layout == KvLayout::kFp8Raw ? kDc + 40 : 511};
-      for (int i = 0; i < 4; ++i)
-        b[int64_t(n - 4 + i) * row_bytes + nan_cols[i]] = 0x7f | (i % 2) << 7;
-      backend_->copy(pool.storage(), bytes.view());
+        const int nan_cols[4] = {0, 255, 300, layout == KvLayout::kFp8Raw ? kDc + 40 : 511};
+        for (int i = 0; i < 4; ++i)
+          b[int64_t(n - 4 + i) * row_bytes + nan_cols[i]] = 0x7f | (i % 2) << 7;
+        backend_->copy(pool.storage(), bytes.view());
 
-      // Token t reads location t; token n reads two (a finite row and a NaN one).
-      const int t_n = n + 1, k = 2;
-      std::vector<int32_t> idx(size_t(t_n) * k, -1);
-      for (int t = 0; t < n; ++t) idx[size_t(t) * k] = t;
-      idx[size_t(n) * k] = 3;
-      idx[size_t(n) * k + 1] = n - 2;
-      // Q small enough that every logit times the softmax scale stays far below 2^15: there
-      // the max slot's weight, exp2 of its product's rounding error, is 1 in bf16 as well.
-      Tensor q_abs = testing::random_tensor(rng, DType::kBF16, {t_n, kHeads, kDc}, 1e-6f);
-      Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, kHeads, kDr}, 1e-6f);
-      Tensor idx_h = Tensor::host(DType::kI32, {t_n, k});
-      std::memcpy(idx_h.ptr<int32_t>(), idx.data(), idx.size() * sizeof(int32_t));
-      Tensor q_abs_d = to_dev(q_abs), q_pe_d = to_dev(q_pe), idx_d = to_dev(idx_h);
-      Tensor o = poisoned(DType::kBF16, {t_n, kHeads, kDc});
-      Tensor lse = poisoned(DType::kF32, {t_n, kHeads});
-      SparseMlaArgs a;
-      a.q_abs = q_abs_d.view();
-      a.q_pe = q_pe_d.view();
-      a.kv = &pool;
-      a.indices = idx_d.view();
-      a.sm_scale = 1.0 / std::sqrt(192.0);
-      a.o_lat = o.view();
-      a.lse = lse.view();
-      backend_->sparse_mla(a);
-      const std::vector<double> o_h = testing::to_double(backend_->to_host(o.view()).view());
-      const std::vector<double> lse_h = testing::to_double(backend_->to_host(lse.view()).view());
+        // Token t reads location t; token n reads two (a finite row and a NaN one).
+        const int t_n = n + 1, k = 2;
+        std::vector<int32_t> idx(size_t(t_n) * k, -1);
+        for (int t = 0; t < n; ++t) idx[size_t(t) * k] = t;
+        idx[size_t(n) * k] = 3;
+        idx[size_t(n) * k + 1] = n - 2;
+        // Q small enough that every logit times the softmax scale stays far below 2^15: there
+        // the max slot's weight, exp2 of its product's rounding error, is 1 in bf16 as well.
+        Tensor q_abs = testing::random_tensor(rng, DType::kBF16, {t_n, kHeads, kDc}, 1e-6f);
+        Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, kHeads, kDr}, 1e-6f);
+        Tensor idx_h = Tensor::host(DType::kI32, {t_n, k});
+        std::memcpy(idx_h.ptr<int32_t>(), idx.data(), idx.size() * sizeof(int32_t));
+        Tensor q_abs_d = to_dev(q_abs), q_pe_d = to_dev(q_pe), idx_d = to_dev(idx_h);
+        Tensor o = poisoned(DType::kBF16, {t_n, kHeads, kDc});
+        Tensor lse = poisoned(DType::kF32, {t_n, kHeads});
+        SparseMlaArgs a;
+        a.q_abs = q_abs_d.view();
+        a.q_pe = q_pe_d.view();
+        a.kv = &pool;
+        a.indices = idx_d.view();
+        a.sm_scale = 1.0 / std::sqrt(192.0);
+        a.o_lat = o.view();
+        a.lse = lse.view();
+        backend_->sparse_mla(a);
+        const std::vector<double> o_h = testing::to_double(backend_->to_host(o.view()).view());
+        const std::vector<double> lse_h = testing::to_double(backend_->to_host(lse.view()).view());
 
-      std::vector<double> c_kv(kDc), k_pe(kDr);
-      int wrong = 0;
-      for (int t = 0; t < n - 4 && wrong < 10; ++t) {
-        reference::decode_kv_row(row, b + int64_t(t) * row_bytes, desc.k_scale, c_kv.data(),
-                                 k_pe.data());
-        for (int h = 0; h < kHeads; ++h)
-          for (int d = 0; d < kDc; ++d) {
-            const double got = o_h[(size_t(t) * kHeads + h) * kDc + d], want = c_kv[size_t(d)];
-            const bool ok = layout == KvLayout::kFp8Scaled
-                                ? got == want
-                                : std::abs(got - want) <= std::ldexp(std::abs(want), -8);
-            if (!ok && ++wrong <= 10)
-              ADD_FAILURE() << "token " << t << " head " << h << " column " << d << " (code 0x"
-                            << std::hex << int(b[int64_t(t) * row_bytes + d]) << std::dec
-                            << "): " << got << ", expected " << want;
+        std::vector<double> c_kv(kDc), k_pe(kDr);
+        int wrong = 0;
+        for (int t = 0; t < n - 4 && wrong < 10; ++t) {
+          reference::decode_kv_row(row, b + int64_t(t) * row_bytes, desc.k_scale, c_kv.data(),
+                                   k_pe.data());
+          for (int h = 0; h < kHeads; ++h)
+            for (int d = 0; d < kDc; ++d) {
+              const double got = o_h[(size_t(t) * kHeads + h) * kDc + d], want = c_kv[size_t(d)];
+              const bool ok = layout == KvLayout::kFp8Scaled
+                                  ? got == want
+                                  : std::abs(got - want) <= std::ldexp(std::abs(want), -8);
+              if (!ok && ++wrong <= 10)
+                ADD_FAILURE() << "token " << t << " head " << h << " column " << d << " (code 0x"
+                              << std::hex << int(b[int64_t(t) * row_bytes + d]) << std::dec
+                              << "): " << got << ", expected " << want;
+            }
+        }
+        for (int t = n - 4; t <= n; ++t)
+          for (int h = 0; h < kHeads; ++h) {
+            EXPECT_TRUE(std::isnan(lse_h[size_t(t) * kHeads + h])) << "lse, token " << t;
+            for (int d = 0; d < kDc; ++d)
+              ASSERT_TRUE(std::isnan(o_h[(size_t(t) * kHeads + h) * kDc + d]))
+                  << "o_lat, token " << t << " head " << h << " column " << d;
           }
       }
-      for (int t = n - 4; t <= n; ++t)
-        for (int h = 0; h < kHeads; ++h) {
-          EXPECT_TRUE(std::isnan(lse_h[size_t(t) * kHeads + h])) << "lse, token " << t;
-          for (int d = 0; d < kDc; ++d)
-            ASSERT_TRUE(std::isnan(o_h[(size_t(t) * kHeads + h) * kDc + d]))
-                << "o_lat, token " << t << " head " << h << " column " << d;
-        }
-    }
 }
 
 TEST_F(CudaSparseMla, UnsupportedDtypeIsRejectedNamingTheArgument) {

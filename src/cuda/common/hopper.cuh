@@ -59,14 +59,60 @@ __device__ __forceinline__ bool mbarrier_test_wait(uint32_t bar, uint32_t phase)
 }
 // Blocks until the phase of parity `phase` has completed. A fresh barrier is in phase 0, so a
 // wait for parity 1 returns at once (producers start their "empty" waits there).
+// kClusterScope: acquire at cluster scope, for barriers a peer CTA of the cluster arrives on or
+// completes transactions on (its writes released by that are then visible to the waiter).
+#define DSAKIT_MBARRIER_WAIT_LOOP(scope)    \
+  "{\n.reg .pred done;\n"                   \
+  "wait_%=:\n"                              \
+  "mbarrier.try_wait.parity.acquire." scope \
+  ".shared::cta.b64 done, [%0], %1;\n"      \
+  "@!done bra wait_%=;\n}\n"
+template <bool kClusterScope = false>
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t phase) {
+  if constexpr (kClusterScope)
+    asm volatile(DSAKIT_MBARRIER_WAIT_LOOP("cluster")::"r"(bar), "r"(phase) : "memory");
+  else
+    asm volatile(DSAKIT_MBARRIER_WAIT_LOOP("cta")::"r"(bar), "r"(phase) : "memory");
+}
+#undef DSAKIT_MBARRIER_WAIT_LOOP
+
+// ---- thread-block clusters: a CTA's peers' shared memory and barriers ----------------------
+// The rank of this CTA in its cluster.
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// The shared::cluster address of shared-memory address `addr` (shared::cta) in CTA `rank` of the
+// cluster. A CTA's window is contiguous: offsets from a mapped base carry over.
+__device__ __forceinline__ uint32_t map_shared_to_rank(uint32_t addr, uint32_t rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+  return out;
+}
+// One arrival, released at cluster scope, on a barrier at shared::cluster address `bar`.
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar)
+               : "memory");
+}
+// `bytes` (a multiple of 16) from this CTA's shared memory at `src` to shared::cluster address
+// `dst` (a peer's), completing `bytes` of transactions on the barrier at shared::cluster address
+// `bar` in the destination CTA. The copy reads `src` through the async proxy: writers fence
+// (fence_proxy_async_shared) before it is issued.
+__device__ __forceinline__ void bulk_copy_to_peer(uint32_t dst, uint32_t src, uint32_t bytes,
+                                                  uint32_t bar) {
   asm volatile(
-      "{\n.reg .pred done;\n"
-      "wait_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(bar),
-      "r"(phase)
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+      "[%3];\n" ::"r"(dst),
+      "r"(src), "r"(bytes), "r"(bar)
       : "memory");
+}
+// Every thread of every CTA of the cluster: arrive (release), then wait (acquire).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;\n" ::
+          : "memory");
 }
 
 // One arrival that also expects `bytes` more of asynchronous (TMA) transactions this phase.

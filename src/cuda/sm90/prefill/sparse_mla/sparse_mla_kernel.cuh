@@ -9,6 +9,8 @@
 //     registers one half ahead, before that half's buffer is free, then widened to the operand
 //     type and stored), and a valid flag per slot. Each buffer is two halves with their own full /
 //     empty mbarriers: L = dims [0, 256) (tiles 0-3), R = dims [256, 576) (tiles 4-8).
+//     656-byte pools at 65-128 heads: the token's two CTAs run as a cluster pair, and each
+//     producer widens half of every block for both (produce_blocks, kPair).
 //   WG0 / WG1 (consumers): WG b owns block 2i + b of iteration i and output dims
 //     [256b, 256b + 256). It computes S_b = Q·K_bᵀ (64 x 64, K = 576), the online softmax of its
 //     block with the running max the two groups share, P_b·V_b over its own dims (P_b from
@@ -95,8 +97,11 @@ struct Sm90Config {
 
   // Named barriers between the two consumer groups.
   static constexpr int kSyncMax0 = 1, kSyncMax1 = 2, kSyncP0 = 3, kSyncP1 = 4, kSyncSum = 5;
-  // Among the producer's four warps (128 threads): the |Q| maximum of the f16 path.
-  static constexpr int kSyncProducer = 6;
+  // Among the producer's four warps (128 threads): the |Q| maximum of the f16 path; a paired
+  // producer's stores of a half done before its bulk copies to the peer.
+  static constexpr int kSyncProducer = 6, kSyncProducerPair = 7;
+  // A paired producer's 32 rows of a tile (produce_blocks): bytes [kPairRowBytes · rank, + that).
+  static constexpr int kPairRowBytes = kTileBytes / 2;
 
   // How far (log2 units) a block's max may pass the softmax offset before O is rescaled.
   static constexpr float kRescaleSlack = 8.f;
@@ -226,10 +231,21 @@ __device__ __forceinline__ Fp8StoreOffsets fp8_store_offsets(int group, int lane
   return o;
 }
 
+// The 656-byte layout's rope chunk lane8 of row i (bf16, as stored) by cp.async into `buffer`'s
+// rope tile (zero-filled for an invalid row).
+__device__ __forceinline__ void copy_rope_656(const SparseMlaParams& p, int32_t loc,
+                                              uint32_t buffer, int i,
+                                              const Fp8StoreOffsets& offsets, int lane8) {
+  constexpr KvLayout kLayout = KvLayout::kFp8Scaled;
+  sm90::cp_async_16_l1(buffer + i * 16 * 128 + offsets.rope,
+                       pool_row<kLayout>(p, loc) + PoolRow<kLayout>::kRopeOffset + lane8 * 16,
+                       loc >= 0);
+}
+
 // Widens staged row i of half kHalf to the operand type (bf16; f16 for fp8-raw) into the swizzled
-// tiles of `buffer` (an invalid row was loaded as zero codes; its scales are taken as 1). The
-// 656-byte layout's R half also starts the row's rope cp.async (zero-filled for an invalid row).
-template <KvLayout kLayout, int kHalf>
+// tiles of `buffer` (an invalid row was loaded as zero codes; its scales are taken as 1). Alone
+// (!kPair), the 656-byte layout's R half also starts the row's rope cp.async.
+template <KvLayout kLayout, int kHalf, bool kPair>
 __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t loc,
                                               const Fp8Row& staged, uint32_t buffer, int i,
                                               const Fp8StoreOffsets& offsets, int lane8) {
@@ -260,8 +276,8 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
       sm90::st_shared_u32x4(tile + offsets.pair[1], e4m3x8_to_bf16(second, scale));
     }
   }
-  if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
-    sm90::cp_async_16_l1(row + offsets.rope, src + PoolRow<kLayout>::kRopeOffset + lane8 * 16, ok);
+  if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1 && !kPair)
+    copy_rope_656(p, loc, buffer, i, offsets, lane8);
   if constexpr (kLayout == KvLayout::kFp8Raw && kHalf == 1)
     sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_f16(staged.rope));
 }
@@ -434,15 +450,20 @@ struct Sm90Smem {
   __device__ uint32_t valid_full() const { return base + Sm90Config::kBarValid; }
 };
 
-// The mbarriers, by thread 0 before the CTA's first __syncthreads.
-template <KvLayout kLayout>
+// The mbarriers, by thread 0 before the CTA's first __syncthreads (cluster_sync when paired).
+// A half is full after 128 producer arrivals, + 128 cp.async completions in the 656-byte
+// layout's R half (its rope tile), and when paired the peer's bulk copies of its rows
+// (transactions the local producer's thread 0 expects); empty after its consumer warpgroup's 128
+// arrivals, and the peer's group's when paired.
+template <KvLayout kLayout, bool kPair = false>
 __device__ __forceinline__ void init_barriers(const Sm90Smem& sm) {
+  constexpr uint32_t kPeers = kPair ? 2 : 1;
   sm90::mbarrier_init(sm.q_full(), 128);
   for (int b = 0; b < 2; ++b)
     for (int h = 0; h < 2; ++h) {
-      // The 656-byte layout's R half: 128 stores + 128 cp.async completions (its rope tile).
-      sm90::mbarrier_init(sm.full(b, h), kLayout == KvLayout::kFp8Scaled && h == 1 ? 256 : 128);
-      sm90::mbarrier_init(sm.empty(b, h), 128);  // one consumer warpgroup releases a half
+      const bool rope_copies = kLayout == KvLayout::kFp8Scaled && h == 1;
+      sm90::mbarrier_init(sm.full(b, h), 128 + (rope_copies ? 128 : 0));
+      sm90::mbarrier_init(sm.empty(b, h), 128 * kPeers);
     }
   sm90::mbarrier_init(sm.valid_full(), 128);
   sm90::fence_barrier_init();
@@ -477,9 +498,18 @@ __device__ __forceinline__ CtaWork cta_work(const SparseMlaParams& p, int heads_
 // and 2i + 1 of the token's slots into K0 and K1, half by half in the order K0.L, K1.R, K0.R, K1.L
 // of every iteration, each half on its empty barrier of the iteration's parity, with the slots'
 // valid flags (both buffers' once per iteration, on valid_full).
-template <KvLayout kLayout>
+// kPair (the 656-byte layout; a cluster of the two CTAs of one token's two 64-head groups, which
+// read the same rows): each producer widens half of every block — rows group + 16 i for
+// i = 2 rank, 2 rank + 1, i.e. rows [32 rank, 32 rank + 32), bytes [4096 rank, + 4096) of each
+// tile — into its own buffer, then sends those bytes of each latent tile to the peer's buffer
+// with one bulk copy per tile, completing on the peer's full barrier; it waits for both CTAs'
+// consumers to release a half. Each CTA copies every row's rope (bf16 as stored) for itself.
+// Flags, Q and valid_full stay per CTA.
+template <KvLayout kLayout, bool kPair = false>
 __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* smem,
                                                const CtaWork& work, int wtid) {
+  static_assert(!kPair || kLayout == KvLayout::kFp8Scaled,
+                "paired producers: the 656-byte layout (run_sparse_mla_sm90)");
   using C = Sm90Config;
   constexpr sm90::Ab kAb = kOperand<kLayout>;
   const int64_t t = work.t;
@@ -507,15 +537,27 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   // the wait for the first half they fill. fp8 pools also hold row i of the next step in
   // registers (staged[i]), loaded as soon as row i of this step is stored, so each load has a
   // whole step (and the wait for the next buffer) to land.
+  // This producer widens rows group + 16 (row0 + k) of each block, k < kOwnRows.
+  constexpr int kOwnRows = kPair ? 2 : 4;
+  const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0;
+  const int row0 = 2 * int(rank);
+  const auto own_loc = [&](const BlockRows& r, int k) {
+    return kPair ? (rank != 0 ? r.loc[2 + k] : r.loc[k]) : r.loc[k];
+  };
+  // The peer's shared::cluster address of this CTA's shared-memory address `addr`.
+  const uint32_t peer_delta = kPair ? sm90::map_shared_to_rank(sm.base, 1 - rank) - sm.base : 0;
+  const auto peer = [&](uint32_t addr) { return addr + peer_delta; };
+
   BlockRows rows[2];
-  Fp8Row staged[4];
+  Fp8Row staged[kOwnRows];
   const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
   rows[0] = block_rows(slots, 0, num_slots, group);
   rows[1] = block_rows(slots, 1, num_slots, group);
   if constexpr (kLayout != KvLayout::kBf16) {
     validate_rows(p, rows[0]);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) load_row_fp8<kLayout, 0>(p, rows[0].loc[i], lane8, staged[i]);
+    for (int k = 0; k < kOwnRows; ++k)
+      load_row_fp8<kLayout, 0>(p, own_loc(rows[0], k), lane8, staged[k]);
   }
 
   // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
@@ -531,7 +573,7 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
     constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
     const uint32_t full = bar_full(kBuffer, kHalf);
     const uint32_t tiles = kBuffer == 0 ? k0_tiles : k1_tiles;
-    sm90::mbarrier_wait(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
+    sm90::mbarrier_wait<kPair>(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
     // A block's rows are validated at their first use: bf16, the step that copies the block's
     // first half; fp8, the step that loads them for the next one.
     if constexpr (kLayout == KvLayout::kBf16 && kBuffer == kHalf) validate_rows(p, rows[kBuffer]);
@@ -545,13 +587,36 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
       // next iteration's (0, L) after (1, L).
       constexpr int kNextBuffer = 1 - kBuffer, kNextHalf = kBuffer == 0 ? 1 - kHalf : kHalf;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        store_row_fp8<kLayout, kHalf>(p, rows[kBuffer].loc[i], staged[i], tiles, i, offsets, lane8);
+      for (int k = 0; k < kOwnRows; ++k) {
+        store_row_fp8<kLayout, kHalf, kPair>(p, own_loc(rows[kBuffer], k), staged[k], tiles,
+                                             row0 + k, offsets, lane8);
         if (has_next)
-          load_row_fp8<kLayout, kNextHalf>(p, rows[kNextBuffer].loc[i], lane8, staged[i]);
+          load_row_fp8<kLayout, kNextHalf>(p, own_loc(rows[kNextBuffer], k), lane8, staged[k]);
       }
+      if constexpr (kPair && kLayout == KvLayout::kFp8Scaled && kHalf == 1)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          copy_rope_656(p, rows[kBuffer].loc[i], tiles, i, offsets, lane8);
       sm90::fence_proxy_async_shared();
-      sm90::mbarrier_arrive(full);
+      // Paired: once the warpgroup's stores are fenced, thread 0 sends this producer's rows of
+      // the half's latent tiles to the peer (the bulk copies read them through the async proxy)
+      // and expects the peer's as transactions on this half's barrier.
+      constexpr int kFirstTile = kHalf == 0 ? 0 : C::kHalfTiles;
+      constexpr int kEndTile = kHalf == 0 ? C::kHalfTiles : C::kLatentTiles;
+      constexpr uint32_t kPeerBytes = (kEndTile - kFirstTile) * C::kPairRowBytes;
+      if constexpr (kPair) {
+        sm90::named_barrier_sync(C::kSyncProducerPair, 128);
+        if (wtid == 0)
+#pragma unroll
+          for (int tile = kFirstTile; tile < kEndTile; ++tile) {
+            const uint32_t rows_src = tiles + tile * C::kTileBytes + C::kPairRowBytes * rank;
+            sm90::bulk_copy_to_peer(peer(rows_src), rows_src, C::kPairRowBytes, peer(full));
+          }
+      }
+      if (kPair && wtid == 0)
+        sm90::mbarrier_arrive_expect_tx(full, kPeerBytes);
+      else
+        sm90::mbarrier_arrive(full);
       // The 656-byte layout's R half also waits for its rope copies (a second arrival each).
       if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
         sm90::cp_async_mbarrier_arrive(full);
@@ -578,24 +643,32 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
 // The start of a CTA of either sm90 sparse kernel: the mbarriers, then warpgroup 2 lowers its
 // registers, runs the producer and gets false; the consumer groups raise theirs and get true.
 // wg: the warpgroup index, warp-uniform as the compiler sees it (wgmma must not sit on a path it
-// considers divergent); wtid: the thread's index in its warpgroup.
-template <KvLayout kLayout>
+// considers divergent); wtid: the thread's index in its warpgroup. kPair: the CTA is one of a
+// cluster pair (produce_blocks); its peer's barriers are initialized before any thread goes on,
+// and the producer leaves only when every thread of both CTAs is done with the other's shared
+// memory (the consumers' cluster_sync at their end).
+template <KvLayout kLayout, bool kPair = false>
 __device__ __forceinline__ bool start_cta(const SparseMlaParams& p, char* smem, const Sm90Smem& sm,
                                           const CtaWork& work, int& wg, int& wtid) {
-  if (threadIdx.x == 0) init_barriers<kLayout>(sm);
-  __syncthreads();
+  if (threadIdx.x == 0) init_barriers<kLayout, kPair>(sm);
+  if constexpr (kPair)
+    sm90::cluster_sync();
+  else
+    __syncthreads();
   wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   wtid = threadIdx.x % 128;
   if (wg == 2) {
     sm90::setmaxnreg_dec<Sm90Config::kProducerRegs>();
-    produce_blocks<kLayout>(p, smem, work, wtid);
+    produce_blocks<kLayout, kPair>(p, smem, work, wtid);
+    if constexpr (kPair) sm90::cluster_sync();
     return false;
   }
   sm90::setmaxnreg_inc<Sm90Config::kConsumerRegs>();
   return true;
 }
 
-template <KvLayout kLayout>
+// kPair: launched as clusters of 2 CTAs, the token's two 64-head groups (produce_blocks).
+template <KvLayout kLayout, bool kPair>
 __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     sparse_mla_sm90_kernel(const __grid_constant__ SparseMlaParams p) {
   using C = Sm90Config;
@@ -616,9 +689,20 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   const int head0 = work.head0, num_iters = work.num_iters;
 
   int wg, wtid;
-  if (!start_cta<kLayout>(p, smem, sm, work, wg, wtid)) return;
+  if (!start_cta<kLayout, kPair>(p, smem, sm, work, wg, wtid)) return;
 
   // ---- consumers ----------------------------------------------------------------------------
+  // A half is filled by both CTAs' producers and released to both when paired.
+  uint32_t peer_delta = 0;
+  if constexpr (kPair)
+    peer_delta = sm90::map_shared_to_rank(base, sm90::cluster_ctarank() ^ 1) - base;
+  const auto wait_full = [&](int buffer, int half, uint32_t phase) {
+    sm90::mbarrier_wait<kPair>(bar_full(buffer, half), phase);
+  };
+  const auto release = [&](int buffer, int half) {
+    sm90::mbarrier_arrive(bar_empty(buffer, half));
+    if constexpr (kPair) sm90::mbarrier_arrive_cluster(bar_empty(buffer, half) + peer_delta);
+  };
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
   const int row0 = 16 * warp + g;  // this thread's rows: row0, row0 + 8
   // fp8-raw: every stored value is code · k_scale, so k_scale multiplies S and O.
@@ -646,21 +730,21 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     const uint32_t phase = it & 1;
     constexpr int kL = C::kHalfTiles, kR = C::kTiles - C::kHalfTiles;
     if (wg == 0) {
-      sm90::mbarrier_wait(bar_full(0, 0), phase);
+      wait_full(0, 0, phase);
       sm90::wgmma_fence();
       issue_qk_tiles<0, kL, kAb>(s, q_tiles, k_own, false);
       sm90::wgmma_commit();
       between();
-      sm90::mbarrier_wait(bar_full(0, 1), phase);
+      wait_full(0, 1, phase);
       sm90::wgmma_fence();
       issue_qk_tiles<kL, kR, kAb>(s, q_tiles, k_own, true);
     } else {
-      sm90::mbarrier_wait(bar_full(1, 1), phase);
+      wait_full(1, 1, phase);
       sm90::wgmma_fence();
       issue_qk_tiles<kL, kR, kAb>(s, q_tiles, k_own, false);
       sm90::wgmma_commit();
       between();
-      sm90::mbarrier_wait(bar_full(1, 0), phase);
+      wait_full(1, 0, phase);
       sm90::wgmma_fence();
       issue_qk_tiles<0, kL, kAb>(s, q_tiles, k_own, true);
     }
@@ -756,7 +840,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_operands(o);
       sm90::fence_operands(a);
-      sm90::mbarrier_arrive(bar_empty(0, 0));
+      release(0, 0);
 
       // The offset after both blocks: this block's P for WG1 to it, then O and l.
       sm90::named_barrier_sync(C::kSyncMax1, 256);
@@ -790,7 +874,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       const auto release_k1l = [&] {
         sm90::wgmma_wait<1>();
         sm90::fence_operands(o);
-        sm90::mbarrier_arrive(bar_empty(1, 0));
+        release(1, 0);
       };
       if (it + 1 < num_iters) {
         sm90::fence_operands(s);
@@ -799,7 +883,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
         sm90::fence_operands(s);
       } else {
         sm90::wgmma_wait<0>();
-        sm90::mbarrier_arrive(bar_empty(1, 0));
+        release(1, 0);
       }
       sm90::fence_operands(o);
     } else {
@@ -825,10 +909,10 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();
       sm90::fence_operands(a);
-      sm90::mbarrier_arrive(bar_empty(1, 1));
+      release(1, 1);
       sm90::wgmma_wait<0>();
       sm90::fence_operands(o);
-      sm90::mbarrier_arrive(bar_empty(0, 1));
+      release(0, 1);
       if (it + 1 < num_iters) {
         sm90::fence_operands(s);
         issue_qk(it + 1, nothing);
@@ -871,29 +955,51 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
             total[r] == 0.f ? -INFINITY : fmaxf(m_true[r], row_max[row0 + 8 * r]) * kLn2;
     }
   }
+  if constexpr (kPair) sm90::cluster_sync();  // the peer may still arrive on this CTA's barriers
 }
 
 // Launches kKernel (either sm90 sparse kernel) on num_ctas CTAs of Sm90Config::kThreads with
-// smem_bytes of dynamic shared memory, opted in once per device.
+// smem_bytes of dynamic shared memory, opted in once per device, in clusters of cluster_ctas
+// consecutive CTAs (num_ctas a multiple of it).
 template <auto kKernel>
 cudaError_t launch_sm90_sparse(const SparseMlaParams& params, int64_t num_ctas, int smem_bytes,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, unsigned cluster_ctas = 1) {
   static std::atomic<uint64_t> smem_set{0};
   const cudaError_t err =
       opt_in_dynamic_smem(reinterpret_cast<const void*>(kKernel), smem_bytes, smem_set);
   if (err != cudaSuccess) return err;
   if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
-  kKernel<<<dim3(unsigned(num_ctas)), Sm90Config::kThreads, smem_bytes, stream>>>(params);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(num_ctas));
+  config.blockDim = dim3(Sm90Config::kThreads);
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cluster_ctas;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = cluster_ctas > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kKernel, params);
 }
 
+// The 656-byte layout at 65-128 heads (the token's two 64-head groups read the same rows) takes
+// the paired kernel: each CTA of the cluster widens half of every block for both
+// (produce_blocks). fp8-raw's one conversion per pair costs less than the pairing adds there
+// (docs/perf.md, runs R1-R3).
 template <KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90(const SparseMlaParams& params, cudaStream_t stream) {
   using C = Sm90Config;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
   const int64_t num_groups = (params.num_heads + C::kHeads - 1) / C::kHeads;
-  return launch_sm90_sparse<&sparse_mla_sm90_kernel<kLayout>>(
-      params, params.num_tokens * num_groups, C::kSmemBytes, stream);
+  const int64_t num_ctas = params.num_tokens * num_groups;
+  if constexpr (kLayout == KvLayout::kFp8Scaled)
+    if (num_groups == 2)
+      return launch_sm90_sparse<&sparse_mla_sm90_kernel<kLayout, true>>(params, num_ctas,
+                                                                        C::kSmemBytes, stream, 2);
+  return launch_sm90_sparse<&sparse_mla_sm90_kernel<kLayout, false>>(params, num_ctas,
+                                                                     C::kSmemBytes, stream);
 }
 
 }  // namespace dsakit::cuda::sparse_mla
