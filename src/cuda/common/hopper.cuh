@@ -59,22 +59,15 @@ __device__ __forceinline__ bool mbarrier_test_wait(uint32_t bar, uint32_t phase)
 }
 // Blocks until the phase of parity `phase` has completed. A fresh barrier is in phase 0, so a
 // wait for parity 1 returns at once (producers start their "empty" waits there).
-// kClusterScope: acquire at cluster scope, for barriers a peer CTA of the cluster arrives on or
-// completes transactions on (its writes released by that are then visible to the waiter).
-#define DSAKIT_MBARRIER_WAIT_LOOP(scope)    \
-  "{\n.reg .pred done;\n"                   \
-  "wait_%=:\n"                              \
-  "mbarrier.try_wait.parity.acquire." scope \
-  ".shared::cta.b64 done, [%0], %1;\n"      \
-  "@!done bra wait_%=;\n}\n"
-template <bool kClusterScope = false>
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t phase) {
-  if constexpr (kClusterScope)
-    asm volatile(DSAKIT_MBARRIER_WAIT_LOOP("cluster")::"r"(bar), "r"(phase) : "memory");
-  else
-    asm volatile(DSAKIT_MBARRIER_WAIT_LOOP("cta")::"r"(bar), "r"(phase) : "memory");
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(phase)
+      : "memory");
 }
-#undef DSAKIT_MBARRIER_WAIT_LOOP
 
 // ---- thread-block clusters: a CTA's peers' shared memory and barriers ----------------------
 // The rank of this CTA in its cluster.
@@ -90,10 +83,14 @@ __device__ __forceinline__ uint32_t map_shared_to_rank(uint32_t addr, uint32_t r
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
   return out;
 }
-// One arrival, released at cluster scope, on a barrier at shared::cluster address `bar`.
+// One arrival on a barrier at shared::cluster address `bar` (a peer's). Pairs of CTAs use it
+// as CUTLASS's cluster pipelines do: a consumer releases a peer's buffer it has finished reading
+// (its wgmma reads complete before the arrival), and data reach a peer only through bulk copies
+// completing on the peer's barrier; so the arrival is released, and every wait acquired, at CTA
+// scope (at cluster scope the arrival costs a GPU-wide memory barrier and every wait an L1
+// invalidation, docs/perf.md run R4).
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar)
-               : "memory");
+  asm volatile("mbarrier.arrive.release.cta.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // `bytes` (a multiple of 16) from this CTA's shared memory at `src` to shared::cluster address
 // `dst` (a peer's), completing `bytes` of transactions on the barrier at shared::cluster address

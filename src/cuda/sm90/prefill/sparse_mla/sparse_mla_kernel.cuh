@@ -573,7 +573,7 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
     constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
     const uint32_t full = bar_full(kBuffer, kHalf);
     const uint32_t tiles = kBuffer == 0 ? k0_tiles : k1_tiles;
-    sm90::mbarrier_wait<kPair>(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
+    sm90::mbarrier_wait(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
     // A block's rows are validated at their first use: bf16, the step that copies the block's
     // first half; fp8, the step that loads them for the next one.
     if constexpr (kLayout == KvLayout::kBf16 && kBuffer == kHalf) validate_rows(p, rows[kBuffer]);
@@ -692,13 +692,10 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   if (!start_cta<kLayout, kPair>(p, smem, sm, work, wg, wtid)) return;
 
   // ---- consumers ----------------------------------------------------------------------------
-  // A half is filled by both CTAs' producers and released to both when paired.
+  // Paired: a half is released to both CTAs' producers.
   uint32_t peer_delta = 0;
   if constexpr (kPair)
     peer_delta = sm90::map_shared_to_rank(base, sm90::cluster_ctarank() ^ 1) - base;
-  const auto wait_full = [&](int buffer, int half, uint32_t phase) {
-    sm90::mbarrier_wait<kPair>(bar_full(buffer, half), phase);
-  };
   const auto release = [&](int buffer, int half) {
     sm90::mbarrier_arrive(bar_empty(buffer, half));
     if constexpr (kPair) sm90::mbarrier_arrive_cluster(bar_empty(buffer, half) + peer_delta);
@@ -730,21 +727,21 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
     const uint32_t phase = it & 1;
     constexpr int kL = C::kHalfTiles, kR = C::kTiles - C::kHalfTiles;
     if (wg == 0) {
-      wait_full(0, 0, phase);
+      sm90::mbarrier_wait(bar_full(0, 0), phase);
       sm90::wgmma_fence();
       issue_qk_tiles<0, kL, kAb>(s, q_tiles, k_own, false);
       sm90::wgmma_commit();
       between();
-      wait_full(0, 1, phase);
+      sm90::mbarrier_wait(bar_full(0, 1), phase);
       sm90::wgmma_fence();
       issue_qk_tiles<kL, kR, kAb>(s, q_tiles, k_own, true);
     } else {
-      wait_full(1, 1, phase);
+      sm90::mbarrier_wait(bar_full(1, 1), phase);
       sm90::wgmma_fence();
       issue_qk_tiles<kL, kR, kAb>(s, q_tiles, k_own, false);
       sm90::wgmma_commit();
       between();
-      wait_full(1, 0, phase);
+      sm90::mbarrier_wait(bar_full(1, 0), phase);
       sm90::wgmma_fence();
       issue_qk_tiles<0, kL, kAb>(s, q_tiles, k_own, true);
     }
