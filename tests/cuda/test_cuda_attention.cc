@@ -235,8 +235,9 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kBf16, 150, 128, 130, true},
       {KvLayout::kFp8Raw, 300, 16, 130, true},
       {KvLayout::kFp8Scaled, 200, 128, 64, true, ScalePolicy::kPow2},
-      // FP8 pools at 65-128 heads: the paired wgmma kernel (two CTAs of a cluster widen half of
-      // every block each), many clusters, a partly empty second head group, the max moving.
+      // FP8 pools at 65-128 heads (656-byte: the paired wgmma kernel, two CTAs of a cluster
+      // widening half of every block each; fp8-raw unpaired): many CTAs, a partly empty second
+      // head group, the max moving, Q's scale far from 1.
       {KvLayout::kFp8Raw, 300, 128, 130, true},
       {KvLayout::kFp8Scaled, 3, 100, 2048, true, ScalePolicy::kPow2, 1.f, 0.5},
       {KvLayout::kFp8Scaled, 3, 72, 1000, false, ScalePolicy::kPow2, 1.f, 0.02},
@@ -303,8 +304,8 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
 // attending to one location, so o_lat is that row's V as the kernel widened it (P = 1). The
 // 656-byte rows' values are bf16(code · scale) exactly; fp8-raw's fp32(code · k_scale) rounded
 // to bf16, within one bf16 step. A NaN code anywhere in a row (nope or rope) makes its
-// token's o_lat and lse NaN, and the other tokens stay exact. 8 heads and 128 (the wgmma
-// kernel's paired CTAs).
+// token's o_lat and lse NaN, and the other tokens stay exact. 8 heads and 128 (656-byte pools: the
+// wgmma kernel's paired CTAs).
 TEST_F(CudaSparseMla, EveryFp8CodeReadsAsItsValue) {
   constexpr int kDc = 512, kDr = 64;
   for (const int kHeads : {8, 128})
