@@ -448,6 +448,11 @@ struct Sm90Smem {
     return base + Sm90Config::kBarKEmpty + 16 * buffer + 8 * half;
   }
   __device__ uint32_t valid_full() const { return base + Sm90Config::kBarValid; }
+  // Paired CTAs: the peer's shared::cluster address of this CTA's address `base + x` is
+  // `base + x + peer_delta()`.
+  __device__ uint32_t peer_delta() const {
+    return sm90::map_shared_to_rank(base, sm90::cluster_ctarank() ^ 1) - base;
+  }
 };
 
 // The mbarriers, by thread 0 before the CTA's first __syncthreads (cluster_sync when paired).
@@ -545,7 +550,7 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
     return kPair ? (rank != 0 ? r.loc[2 + k] : r.loc[k]) : r.loc[k];
   };
   // The peer's shared::cluster address of this CTA's shared-memory address `addr`.
-  const uint32_t peer_delta = kPair ? sm90::map_shared_to_rank(sm.base, 1 - rank) - sm.base : 0;
+  const uint32_t peer_delta = kPair ? sm.peer_delta() : 0;
   const auto peer = [&](uint32_t addr) { return addr + peer_delta; };
 
   BlockRows rows[2];
@@ -693,9 +698,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
 
   // ---- consumers ----------------------------------------------------------------------------
   // Paired: a half is released to both CTAs' producers.
-  uint32_t peer_delta = 0;
-  if constexpr (kPair)
-    peer_delta = sm90::map_shared_to_rank(base, sm90::cluster_ctarank() ^ 1) - base;
+  const uint32_t peer_delta = kPair ? sm.peer_delta() : 0;
   const auto release = [&](int buffer, int half) {
     sm90::mbarrier_arrive(bar_empty(buffer, half));
     if constexpr (kPair) sm90::mbarrier_arrive_cluster(bar_empty(buffer, half) + peer_delta);
