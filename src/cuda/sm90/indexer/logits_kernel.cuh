@@ -4,32 +4,37 @@
 //   loc = kv_locs[kv_start[t] + p],  d_i = 128 (kDim), H_i = kHeads.
 //
 // The product is taken transposed, keys on M: Sᵀ[n, (r, h)] = k8[n, :] · q8[r, h, :] with
-// A = 64 keys [64 x 128] and B = a consumer's (token, head) columns [64 per bank x 128], both
-// K-major 128-byte-swizzled shared-memory tiles, in one of two operand types (kOps):
+// A = 64 keys [64 x 128] and B = a consumer's (token, head) columns [128 x 128], both K-major
+// 128-byte-swizzled shared-memory tiles, in one of two operand types (kOps):
 //   kE4m3: the codes as stored (k32 e4m3 wgmmas, rows of 128 B, one swizzle atom wide);
 //   kF16:  the codes widened to f16 by the producer (exact: every e4m3 value is an f16 value),
 //          k16 f16 wgmmas, rows of 256 B laid out as two 128-byte atoms [atom][row][128 B].
-// A thread's accumulator then holds two keys (rows g, g + 8 of its warp's 16) against 16 of the
-// bank's columns, so the head sum is 16 gated ReLUs per (key, token) in registers plus a
-// reduction over the 4 lanes q that share those keys.
+// A thread's accumulator then holds two keys (rows g, g + 8 of its warp's 16) against 32 of the
+// consumer's 128 columns (16 in each 64-column bank), so a token's head sum is kHeads / 4 gated
+// ReLUs per key in registers plus a reduction over the 4 lanes q that share those keys, which
+// the epilogue does.
 //
-// One CTA of kConsumers + 1 warpgroups per kCtaTokens consecutive rows of the batch (one
-// request, normally) and part of the key tiles (key_splits CTAs per row group when the row
-// groups alone would leave SMs idle, indexer_logits_key_splits):
-//   the last WG (producer): the CTA's query codes and gates once, then the key rows of every
-//     64-key tile of positions [0, context) gathered by location into a kStages ring, with each
-//     row's scale and a valid flag: kE4m3 by cp.async (16 B, completing on the stage's
-//     mbarrier); kF16 by 16-byte register loads issued before the wait for the stage, widened
-//     and stored after it (st.shared, then a proxy fence before the arrive).
-//   WG c < kConsumers: owns tokens [c·kWgTokens, (c + 1)·kWgTokens) (128 columns =
-//     kWgTokens x kHeads, two banks of 64) and computes every tile with the same A operand.
-//     kE4m3: one chain of 4 k32 wgmmas per bank (N = 64), both issued, then bank 0's gated-ReLU
-//     head sums while bank 1's chain runs (wait_group 1), then bank 1's. kF16: one chain of 8
-//     k16 wgmmas over both banks (N = 128), so each k-step reads the keys' A tile once (the f16
-//     operands are twice the bytes per FLOP), then both banks' sums. The group's gates are held
+// One CTA per kCtaTokens consecutive rows of the batch (one request, normally) and part of the
+// key tiles (key_splits CTAs per row group when the row groups alone would leave SMs idle,
+// indexer_logits_key_splits); its threads in three roles:
+//   consumers, WG c < kConsumers: own tokens [c·kWgTokens, (c + 1)·kWgTokens) (128 columns =
+//     kWgTokens x kHeads) and compute every tile with the same A operand: one chain of N = 128
+//     wgmmas (each k-step reads the keys' A tile once), then each lane's gated-ReLU sums of its
+//     32 columns per token and key into an epilogue stage (shared memory). The gates are held
 //     in registers for the whole CTA. Every chain completes within the tile: ptxas serializes
-//     the wgmmas (C7514) when an accumulator is still in flight across the loop's back edge.
-//     With three such groups the others' wgmmas fill the rest.
+//     the wgmmas (C7514) when an accumulator is still in flight across the loop's back edge;
+//     the other groups' wgmmas fill the tensor pipe meanwhile.
+//   producers (kProducers threads): the CTA's query codes and gates once, then the key rows of
+//     every 64-key tile of positions [0, context) gathered by location into a kStages ring,
+//     with each row's scale and a valid flag: kE4m3 by cp.async (16 B, completing on the
+//     stage's mbarrier); kF16 by 16-byte register loads issued before the wait for the stage,
+//     widened and stored after it (st.shared, then a proxy fence before the arrive).
+//   finishers (kFinishers threads, the epilogue): per tile, the 4 lanes' partials of each
+//     (token, key) summed, scaled, masked to the token's segment and stored, 128 bytes per
+//     warp and token; they release the key stage (its scales) and the epilogue stage.
+// Moving the quad reduction and the stores off the consumers (DeepGEMM's fp8_mqa_logits design)
+// leaves them the wgmmas and the gated sums, so kE4m3 fits a fourth consumer group at 104
+// registers, with producers and finishers as two warps each of one warpgroup.
 //
 // Numerics: with kE4m3 the tensor cores sum the fp8 products in an accumulator that keeps fewer
 // bits than fp32 (~1e-4 rel-L2 from fp32 arithmetic on the same codes, as DeepGEMM's kernel; still
@@ -45,11 +50,14 @@
 // Shared memory (bytes, tiles 1024-aligned; kRowBytes = 128 · kElemBytes):
 //   q      [kCtaTokens * kHeads][kRowBytes]  query operand, row (r, h) = r * kHeads + h
 //   keys   [kStages][64][kRowBytes]          key operand (8 / 16 KB a stage)
+//   epi    f32 [kEpiStages][kCtaTokens][64][4]  the consumers' partial head sums
 //   gate   f32 [kCtaTokens * kHeads]; scale f32 [kStages][64]; valid u8 [kStages][64];
-//   mbarriers q_full, full[kStages], empty[kStages]; the CTA's rows (CtaRows)
+//   mbarriers q_full, full/empty[kStages], epi full/empty[kEpiStages]; the CTA's rows
+//   (CtaRows); the finishers' positions seen per token, i32 [2][kCtaTokens]
 //
 // Invariants: page_size % 4 == 0 and 16-byte aligned key_pages / q8 (every key row and query
-// row is 16-byte aligned: the launcher refuses other pools), 1 <= h_i == kHeads.
+// row is 16-byte aligned: the launcher refuses other pools), 1 <= h_i == kHeads, width < 2^31
+// (positions and tile counts are 32-bit).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -76,36 +84,60 @@ struct LogitsConfig {
   static constexpr int kBankCols = 64;             // columns per wgmma chain (N)
   static constexpr int kWgTokens = kWgCols / kHeads;
   static constexpr int kBankTokens = kBankCols / kHeads;
-  static constexpr int kConsumers = 3;  // consumer warpgroups; WG kConsumers is the producer
+  // Warpgroups: kConsumers of wgmma, then kProducers threads staging the tiles and kFinishers
+  // finishing them (the epilogue), either two warps each in one warpgroup (kE4m3: a fourth
+  // consumer fits beside them) or a warpgroup each (kF16: the producer widens the codes too).
+  static constexpr int kConsumers = kF16 ? 3 : 4;
+  static constexpr int kProducers = kF16 ? 128 : 64, kFinishers = kProducers;
+  static constexpr int kRoleWgs = (kProducers + kFinishers) / 128;
   static constexpr int kCtaTokens = kConsumers * kWgTokens;
   static constexpr int kKStep = kF16 ? 16 : 32;  // the wgmma's K (elements)
   static constexpr int kKSteps = kDim / kKStep;  // wgmma steps per tile
-  static constexpr int kStages = kF16 ? 7 : 8;
-  static constexpr int kThreads = (kConsumers + 1) * 128;
+  static constexpr int kStages = kF16 ? 6 : 8;
+  static constexpr int kThreads = (kConsumers + kRoleWgs) * 128;
   // setmaxnreg moves registers within the CTA's launch allocation (kThreads x kEntryRegs under
-  // __launch_bounds__(kThreads, 1): 64K registers, 8 per thread the granule): the consumers'
-  // two accumulators take 64 of theirs; the kF16 producer holds a row's 64 codes across the
-  // wait for its stage.
+  // __launch_bounds__(kThreads, 1): 64K registers, 8 per thread the granule): the consumers
+  // hold two banks' accumulators (64) and their gates (32); the kF16 producer holds a row's 64
+  // codes across the wait for its stage.
   static constexpr int kEntryRegs = 65536 / kThreads / 8 * 8;
-  static constexpr int kConsumerRegs = kF16 ? 144 : 152;
-  static constexpr int kProducerRegs = kF16 ? 80 : 56;
-  static_assert(kConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= kEntryRegs * kThreads);
+  static constexpr int kConsumerRegs = kF16 ? 120 : 104;
+  static constexpr int kProducerRegs = kF16 ? 80 : 64;  // kE4m3: the finishers' too
+  static constexpr int kFinisherRegs = kF16 ? 40 : 64;
+  static_assert(kConsumers * kConsumerRegs +
+                    (kRoleWgs == 1 ? kProducerRegs : kProducerRegs + kFinisherRegs) <=
+                kEntryRegs * (kConsumers + kRoleWgs));
+  static_assert(kRoleWgs == 2 || kProducerRegs == kFinisherRegs, "one warpgroup, one budget");
+  static_assert(kProducers % 64 == 0 && kFinishers % 64 == 0 && kRoleWgs >= 1);
+  static_assert(kCtaTokens % (kFinishers / kKeys) == 0, "finishers split the tokens evenly");
   static_assert(kBankCols % kHeads == 0 && kHeads % 8 == 0, "heads tile a bank's 64 columns");
 
   static constexpr int kCtaRows = kCtaTokens * kHeads;  // query operand rows
   static constexpr int kTileBytes = kKeys * kDim * kElemBytes;
+  // A tile's head sums as the consumers leave them: f32 [kCtaTokens][kKeys][4], the partial of
+  // quad lane q at [token][key][q].
+  static constexpr int kEpiStageBytes = kCtaTokens * kKeys * 16;
   static constexpr int kQ = 0;
   static constexpr int kKeysOff = kQ + kCtaRows * kDim * kElemBytes;
-  static constexpr int kGate = kKeysOff + kStages * kTileBytes;
+  static constexpr int kEpi = kKeysOff + kStages * kTileBytes;
+  // The arrays after the epilogue stages, at most 4 epilogue barriers each side.
+  static constexpr int kSmallBytes =
+      4 * kCtaTokens * kHeads + 5 * kStages * kKeys + 8 + 16 * kStages + 64 + 24 * kCtaTokens + 8;
+  // As many epilogue stages as fit, at most 4.
+  static constexpr int kEpiStages = std::min(4, (227 * 1024 - kSmallBytes - kEpi) / kEpiStageBytes);
+  static constexpr int kGate = kEpi + kEpiStages * kEpiStageBytes;
   static constexpr int kScale = kGate + 4 * kCtaTokens * kHeads;
   static constexpr int kValid = kScale + 4 * kStages * kKeys;
   static constexpr int kBars = (kValid + kStages * kKeys + 7) / 8 * 8;
   static constexpr int kBarQ = kBars;
-  static constexpr int kBarFull = kBars + 8;                // + 8 * stage
-  static constexpr int kBarEmpty = kBarFull + 8 * kStages;  // + 8 * stage
-  static constexpr int kRowPlan = kBarEmpty + 8 * kStages;  // CtaRows<kCtaTokens>
-  static constexpr int kSmemBytes = kRowPlan + 16 * kCtaTokens;
+  static constexpr int kBarFull = kBars + 8;                   // + 8 * stage
+  static constexpr int kBarEmpty = kBarFull + 8 * kStages;     // + 8 * stage
+  static constexpr int kBarEpiFull = kBarEmpty + 8 * kStages;  // + 8 * epilogue stage
+  static constexpr int kBarEpiEmpty = kBarEpiFull + 8 * kEpiStages;
+  static constexpr int kRowPlan = kBarEpiEmpty + 8 * kEpiStages;  // CtaRows<kCtaTokens>
+  static constexpr int kSeen = kRowPlan + 16 * kCtaTokens;        // i32 [2][kCtaTokens], epilogue's
+  static constexpr int kSmemBytes = kSeen + 8 * kCtaTokens;
   static_assert(kKeysOff % 1024 == 0 && kTileBytes % 1024 == 0);
+  static_assert(kEpiStages >= 2 && kSmemBytes - kGate <= kSmallBytes);
   static_assert(kSmemBytes <= 227 * 1024);
 
   // Byte offset of 16-byte chunk c (0 .. 8 · kElemBytes) of operand row n in a tile of `rows` rows.
@@ -162,6 +194,9 @@ inline int indexer_logits_key_splits(int64_t groups, int64_t max_tiles, int sms)
   return int(std::max<int64_t>(1, std::min(want, most)));
 }
 
+// The named barrier of the finishers' kFinishers threads (0 is __syncthreads).
+constexpr int kEpilogueBarrier = 1;
+
 template <int kHeads, LogitsOperands kOps>
 __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     indexer_logits_sm90_kernel(const __grid_constant__ IndexerLogitsParams p, int key_splits) {
@@ -171,6 +206,8 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   const uint32_t bar_q = base + C::kBarQ;
   const auto bar_full = [&](int s) { return base + C::kBarFull + 8 * s; };
   const auto bar_empty = [&](int s) { return base + C::kBarEmpty + 8 * s; };
+  const auto bar_epi_full = [&](int s) { return base + C::kBarEpiFull + 8 * s; };
+  const auto bar_epi_empty = [&](int s) { return base + C::kBarEpiEmpty + 8 * s; };
   float* gate_s = reinterpret_cast<float*>(smem + C::kGate);
   float* scale_s = reinterpret_cast<float*>(smem + C::kScale);
   uint8_t* valid_s = smem + C::kValid;
@@ -199,11 +236,17 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   }
   if (threadIdx.x == 0) {
     // The producer's arrivals, and with kE4m3 its cp.async completions.
-    constexpr uint32_t kFullArrivals = C::kF16 ? 128 : 2 * 128;
+    constexpr uint32_t kFullArrivals = (C::kF16 ? 1 : 2) * C::kProducers;
     sm90::mbarrier_init(bar_q, kFullArrivals);
     for (int s = 0; s < C::kStages; ++s) {
       sm90::mbarrier_init(bar_full(s), kFullArrivals);
-      sm90::mbarrier_init(bar_empty(s), C::kConsumers * 128);
+      // The consumers once their wgmmas have read the keys, the epilogue once it has the
+      // stage's scales and valid flags.
+      sm90::mbarrier_init(bar_empty(s), C::kConsumers * 128 + C::kFinishers);
+    }
+    for (int s = 0; s < C::kEpiStages; ++s) {
+      sm90::mbarrier_init(bar_epi_full(s), C::kConsumers * 128);
+      sm90::mbarrier_init(bar_epi_empty(s), C::kFinishers);
     }
     sm90::fence_barrier_init();
   }
@@ -213,9 +256,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   if (!any) return;  // block-uniform: every row is the identity or past the batch
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  if (warp >= 4 * C::kConsumers) {
+  // Threads [128 kConsumers, + kProducers) stage the tiles (produce), the next kFinishers
+  // finish them.
+  const auto produce = [&] {
     // ---- producer --------------------------------------------------------------------------
-    sm90::setmaxnreg_dec<C::kProducerRegs>();
     const int ptid = threadIdx.x - 128 * C::kConsumers;
     // kF16: 16 codes of operand row n (chunk `chunk` of its codes, loaded by the caller) widened
     // into two f16 chunks of a tile of `rows` rows.
@@ -226,7 +270,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
                             e4m3x8_to_f16(make_uint2(codes.z, codes.w)));
     };
     // Queries and gates of the computed rows (zero elsewhere: their columns are never stored).
-    for (int i = ptid; i < C::kCtaRows * C::kChunks; i += 128) {
+    for (int i = ptid; i < C::kCtaRows * C::kChunks; i += C::kProducers) {
       const int n = i / C::kChunks, chunk = i % C::kChunks, r = n / kHeads, h = n % kHeads;
       const bool ok = rows.ctx[r] >= 0;
       const uint8_t* src =
@@ -236,7 +280,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       else
         sm90::cp_async_16_prefetch(base + C::kQ + sm90::swizzled_chunk(n, chunk), src, ok);
     }
-    for (int n = ptid; n < C::kCtaRows; n += 128) {
+    for (int n = ptid; n < C::kCtaRows; n += C::kProducers) {
       const int r = n / kHeads, h = n % kHeads;
       gate_s[n] = rows.ctx[r] >= 0 ? p.gate[(p.row_begin + row0 + r) * kHeads + h] : 0.f;
     }
@@ -247,12 +291,15 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     sm90::mbarrier_arrive(bar_q);
 
     // Key tiles of every segment, in the order the consumers take them. Thread ptid stages row
-    // ptid / 2 of a tile, chunks [4 (ptid % 2), + 4) of its codes, and (ptid even) its scale and
-    // valid flag. The location of the next tile's row is loaded before waiting for its stage.
+    // ptid / kPerRow of a tile, chunks [kRowChunks (ptid % kPerRow), + kRowChunks) of its codes,
+    // and (the row's first thread) its scale and valid flag. The location of the next tile's row
+    // is loaded before waiting for its stage.
+    constexpr int kPerRow = C::kProducers / C::kKeys, kRowChunks = C::kChunks / kPerRow;
     const int64_t page_bytes = int64_t(p.page_size) * (C::kDim + 4);
-    const int row = ptid / 2, chunk0 = 4 * (ptid % 2);
-    const auto location = [&](int64_t start, int64_t limit, int64_t tile0) {
-      const int64_t pos = tile0 + row, j = start + pos;
+    const int row = ptid / kPerRow, chunk0 = kRowChunks * (ptid % kPerRow);
+    const auto location = [&](int64_t start, int limit, int tile0) {
+      const int pos = tile0 + row;
+      const int64_t j = start + pos;
       int32_t loc = -1;
       if (pos < limit && j >= 0 && j < p.n_kv) loc = __ldg(p.kv_locs + j);
       return loc >= 0 && loc < p.num_locations ? loc : -1;
@@ -262,10 +309,11 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
       int64_t begin, end;
       split_tiles(limit, begin, end);
-      int32_t next = begin < end ? location(start, limit, begin * C::kKeys) : -1;
-      for (int64_t i = begin; i < end; ++i, ++n) {
+      const int tile_end = int(end);
+      int32_t next = begin < end ? location(start, int(limit), int(begin) * C::kKeys) : -1;
+      for (int i = int(begin); i < tile_end; ++i, ++n) {
         const int32_t loc = next;
-        if (i + 1 < end) next = location(start, limit, (i + 1) * C::kKeys);
+        if (i + 1 < tile_end) next = location(start, int(limit), (i + 1) * C::kKeys);
         const int stage = n % C::kStages;
         const bool ok = loc >= 0;
         const int32_t page = ok ? loc / p.page_size : 0, slot = ok ? loc - page * p.page_size : 0;
@@ -275,16 +323,15 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
             reinterpret_cast<const float*>(page_base + int64_t(p.page_size) * C::kDim) + slot;
         const uint32_t tile = base + C::kKeysOff + stage * C::kTileBytes;
         if constexpr (C::kF16) {
-          // This thread's 64 codes and the row's scale in flight before the wait for the stage.
-          uint4 held[C::kChunks / 2];
+          // This thread's codes and the row's scale in flight before the wait for the stage.
+          uint4 held[kRowChunks];
 #pragma unroll
-          for (int c = 0; c < C::kChunks / 2; ++c)
+          for (int c = 0; c < kRowChunks; ++c)
             held[c] = sm90::ld_global_nc_u32x4(codes + 16 * (chunk0 + c), ok);
           const float row_scale = ok && chunk0 == 0 ? __ldg(scale) : 0.f;
           sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
 #pragma unroll
-          for (int c = 0; c < C::kChunks / 2; ++c)
-            store_f16(tile, C::kKeys, row, chunk0 + c, held[c]);
+          for (int c = 0; c < kRowChunks; ++c) store_f16(tile, C::kKeys, row, chunk0 + c, held[c]);
           if (chunk0 == 0) {
             scale_s[stage * C::kKeys + row] = row_scale;
             valid_s[stage * C::kKeys + row] = ok;
@@ -293,7 +340,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
         } else {
           sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
 #pragma unroll
-          for (int c = chunk0; c < chunk0 + C::kChunks / 2; ++c)
+          for (int c = chunk0; c < chunk0 + kRowChunks; ++c)
             sm90::cp_async_16_prefetch(tile + sm90::swizzled_chunk(row, c), codes + 16 * c, ok);
           if (chunk0 == 0) {
             sm90::cp_async_small<4>(base + C::kScale + 4 * (stage * C::kKeys + row), scale, ok);
@@ -305,12 +352,85 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       }
     }
     cp_async_wait<0>();
+  };
+
+  const auto finish = [&] {
+    // ---- epilogue ----------------------------------------------------------------------------
+    // Thread etid finishes key etid % 64 of every tile for the CTA tokens etid / 64 + j kTokStep:
+    // the quad's four partials summed as the consumers' lanes would have ((0 + 1) + (2 + 3)),
+    // times the key's scale, stored where the token's segment sees the position; a warp's 32
+    // keys are one 128-byte store per token.
+    constexpr int kTokStep = C::kFinishers / C::kKeys;
+    const int etid = threadIdx.x - 128 * C::kConsumers - C::kProducers;
+    const int key = etid % C::kKeys, tok0 = kTokStep == 1 ? 0 : etid / C::kKeys;
+    int n = 0;
+    int64_t start, limit;
+    for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
+      // Positions of each CTA token seen in this segment (0: not its segment), one buffer per
+      // segment parity: a thread rewrites it only after every thread passed the next segment's
+      // barrier, so after they all finished reading it.
+      int* seen = reinterpret_cast<int*>(smem + C::kSeen) + (seg % 2) * C::kCtaTokens;
+      if (etid < C::kCtaTokens) {
+        const bool in_seg = rows.ctx[etid] >= 0 && rows.start[etid] == start;
+        seen[etid] = in_seg ? int(rows.ctx[etid]) : 0;
+      }
+      sm90::named_barrier_sync(kEpilogueBarrier, C::kFinishers);
+      int64_t begin, end;
+      split_tiles(limit, begin, end);
+      for (int i = int(begin); i < int(end); ++i, ++n) {
+        const int stage = n % C::kStages, epi_stage = n % C::kEpiStages;
+        sm90::mbarrier_wait(bar_epi_full(epi_stage), (n / C::kEpiStages) & 1);
+        const float scale = scale_s[stage * C::kKeys + key];
+        const bool ok = valid_s[stage * C::kKeys + key] != 0;
+        sm90::mbarrier_arrive(bar_empty(stage));
+        const float4* partials =
+            reinterpret_cast<const float4*>(smem + C::kEpi + epi_stage * C::kEpiStageBytes);
+        const int pos = i * C::kKeys + key;
+#pragma unroll
+        for (int j = 0; j < C::kCtaTokens / kTokStep; ++j) {
+          const int cr = tok0 + j * kTokStep;
+          const float4 v = partials[cr * C::kKeys + key];
+          const float sum = ((v.x + v.y) + (v.z + v.w)) * scale;
+          if (pos < seen[cr]) p.logits[(row0 + cr) * p.width + pos] = ok ? sum : -INFINITY;
+        }
+        sm90::mbarrier_arrive(bar_epi_empty(epi_stage));  // every partial read
+      }
+    }
+    // fill_masked: positions [ctx, width) of the computed rows are -inf (split 0's work).
+    if (p.fill_masked && split == 0) {
+      for (int cr = 0; cr < C::kCtaTokens; ++cr) {
+        if (rows.ctx[cr] < 0) continue;
+        float* out = p.logits + (row0 + cr) * p.width;
+        for (int64_t pos = rows.ctx[cr] + etid; pos < p.width; pos += C::kFinishers)
+          out[pos] = -INFINITY;
+      }
+    }
+  };
+  if (warp >= 4 * C::kConsumers) {
+    // setmaxnreg is one instruction for all warps of a warpgroup (.sync.aligned).
+    const bool producer = threadIdx.x < 128 * C::kConsumers + C::kProducers;
+    if constexpr (C::kRoleWgs == 1) {
+      sm90::setmaxnreg_dec<C::kProducerRegs>();
+      if (producer)
+        produce();
+      else
+        finish();
+    } else if (producer) {
+      sm90::setmaxnreg_dec<C::kProducerRegs>();
+      produce();
+    } else {
+      sm90::setmaxnreg_dec<C::kFinisherRegs>();
+      finish();
+    }
     return;
   }
 
   // ---- consumers ------------------------------------------------------------------------------
   sm90::setmaxnreg_inc<C::kConsumerRegs>();
-  const int wg = warp / 4, wwarp = warp % 4, g = lane / 4, q = lane % 4;
+  // The warpgroup index through a shuffle, so that ptxas sees it warp-uniform and keeps the
+  // query descriptors derived from it in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0), wwarp = warp % 4, g = lane / 4,
+            q = lane % 4;
   constexpr int kT = C::kWgTokens;
   constexpr int kColBlocks = kHeads / 8;  // 8-column blocks per token
   const uint32_t b_tile = base + C::kQ + uint32_t(wg * C::kWgCols * 128);  // its rows, atom 0
@@ -321,13 +441,12 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   for (int j = 0; j < C::kWgCols / 8; ++j)
     gates[j] = *reinterpret_cast<const float2*>(gate_s + wg * C::kWgCols + 8 * j + 2 * q);
 
-  // S of the tile at `keys` into acc, kKSteps chained wgmmas committed as one batch: kE4m3 bank
-  // b's 64 columns into acc (32 values), kF16 both banks' 128 into acc (64 values, bank b's at
-  // [32 b, 32 b + 32)). Step ks reads 32 bytes of each row at byte 32 (ks % 4) of atom ks / 4.
-  const auto issue_chain = [&](auto& acc, uint32_t keys, int b) {
+  // S of the tile at `keys` into acc, kKSteps chained N = 128 wgmmas committed as one batch over
+  // both banks' 128 columns (bank b's 32 values at [32 b, 32 b + 32)), so that each k-step reads
+  // the keys' A tile once. Step ks reads 32 bytes of each row at byte 32 (ks % 4) of atom ks / 4.
+  const auto issue_chain = [&](float(&acc)[64], uint32_t keys) {
     const uint64_t desc_a0 = sm90::smem_desc_sw128(keys, 16, 1024);
-    const uint64_t desc_b0 =
-        sm90::smem_desc_sw128(b_tile + uint32_t(b * C::kBankCols * 128), 16, 1024);
+    const uint64_t desc_b0 = sm90::smem_desc_sw128(b_tile, 16, 1024);
     sm90::fence_operands(acc);
     sm90::wgmma_fence();
 #pragma unroll
@@ -339,111 +458,60 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       if constexpr (C::kF16)
         sm90::wgmma_m64n128k16_ss<0, sm90::Ab::kF16>(acc, desc_a, desc_b, ks > 0);
       else
-        sm90::wgmma_m64n64k32_e4m3_ss(acc, desc_a, desc_b, ks > 0);
+        sm90::wgmma_m64n128k32_e4m3_ss(acc, desc_a, desc_b, ks > 0);
     }
     sm90::wgmma_commit();
   };
   // This thread's accumulator rows g and g + 8 of its warp's 16: keys key_lo, key_hi of a tile.
   const int key_lo = 16 * wwarp + g, key_hi = key_lo + 8;
-  // Those two keys' scales and valid flags in a tile (an invalid key's logit is -inf).
-  struct TileKeys {
-    float scale_lo, scale_hi;
-    bool ok_lo, ok_hi;
-  };
-  // Bank b of a tile once its wgmmas have completed: the gated head sums of its tokens, stored
-  // for this segment's rows.
-  const auto finish_bank = [&](float(&acc)[32], int b, int64_t tile0, const TileKeys& keys,
-                               const bool(&mine)[kT]) {
+  // Bank b of a tile once its wgmmas have completed: this lane's gated-ReLU head sums over its
+  // kHeads / 4 columns of each of the bank's tokens, for keys key_lo and key_hi, into the
+  // epilogue stage at `partials` (a warp's 32 lanes write 128 contiguous bytes per key).
+  const auto partial_bank = [&](float(&acc)[32], int b, float* partials) {
     sm90::fence_operands(acc);
     constexpr int kBT = C::kBankTokens;
-    float lo[kBT], hi[kBT];
-#pragma unroll
-    for (int r = 0; r < kBT; ++r) {
-      lo[r] = 0.f;
-      hi[r] = 0.f;
-#pragma unroll
-      for (int jb = 0; jb < kColBlocks; ++jb) {
-        const int j = r * kColBlocks + jb;
-        const float2 gv = gates[b * (C::kBankCols / 8) + j];
-        lo[r] = fmaf(gv.x, relu_nan(acc[4 * j]), lo[r]);
-        lo[r] = fmaf(gv.y, relu_nan(acc[4 * j + 1]), lo[r]);
-        hi[r] = fmaf(gv.x, relu_nan(acc[4 * j + 2]), hi[r]);
-        hi[r] = fmaf(gv.y, relu_nan(acc[4 * j + 3]), hi[r]);
-      }
-    }
-    // Reduce over the quad (lanes q share the keys), in a fixed order: same bits every run.
-#pragma unroll
-    for (int r = 0; r < kBT; ++r) {
-      lo[r] = quad_sum(lo[r]);
-      hi[r] = quad_sum(hi[r]);
-    }
-    // Lane q stores the group's tokens r = q, q + 4, ... (keys key_lo and key_hi).
 #pragma unroll
     for (int rb = 0; rb < kBT; ++rb) {
-      const int r = b * kBT + rb;
-      if (r % 4 != q || !mine[r]) continue;
-      const int cr = wg * kT + r;
-      const int64_t ctx = rows.ctx[cr];
-      float* out = p.logits + (row0 + cr) * p.width;
-      const int64_t pos_lo = tile0 + key_lo, pos_hi = tile0 + key_hi;
-      if (pos_lo < ctx) out[pos_lo] = keys.ok_lo ? lo[rb] * keys.scale_lo : -INFINITY;
-      if (pos_hi < ctx) out[pos_hi] = keys.ok_hi ? hi[rb] * keys.scale_hi : -INFINITY;
+      float lo = 0.f, hi = 0.f;
+#pragma unroll
+      for (int jb = 0; jb < kColBlocks; ++jb) {
+        const int j = rb * kColBlocks + jb;
+        const float2 gv = gates[b * (C::kBankCols / 8) + j];
+        lo = fmaf(gv.x, relu_nan(acc[4 * j]), lo);
+        lo = fmaf(gv.y, relu_nan(acc[4 * j + 1]), lo);
+        hi = fmaf(gv.x, relu_nan(acc[4 * j + 2]), hi);
+        hi = fmaf(gv.y, relu_nan(acc[4 * j + 3]), hi);
+      }
+      const int cr = wg * kT + b * kBT + rb;
+      partials[(cr * C::kKeys + key_lo) * 4 + q] = lo;
+      partials[(cr * C::kKeys + key_hi) * 4 + q] = hi;
     }
   };
 
-  // Both banks' accumulators, bank b at [32 b, 32 b + 32): one N = 128 chain (kF16) or two N = 64
-  // chains (kE4m3) write them.
+  // Both banks' accumulators, bank b at [32 b, 32 b + 32).
   float acc[64];
   float(&acc0)[32] = *reinterpret_cast<float(*)[32]>(acc);
   float(&acc1)[32] = *reinterpret_cast<float(*)[32]>(acc + 32);
   int n = 0;
   int64_t start, limit;
   for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
-    bool mine[kT];  // this group's tokens that belong to the segment
-#pragma unroll
-    for (int r = 0; r < kT; ++r) {
-      const int cr = wg * kT + r;
-      mine[r] = rows.ctx[cr] >= 0 && rows.start[cr] == start;
-    }
     int64_t begin, end;
     split_tiles(limit, begin, end);
-    for (int64_t i = begin; i < end; ++i, ++n) {
-      const int stage = n % C::kStages;
+    // The tile range through shuffles as well: uniform registers count the loop.
+    const int tile_end = __shfl_sync(0xffffffffu, int(end), 0);
+    for (int i = __shfl_sync(0xffffffffu, int(begin), 0); i < tile_end; ++i, ++n) {
+      const int stage = n % C::kStages, epi_stage = n % C::kEpiStages;
       sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
       const uint32_t keys_tile = base + C::kKeysOff + stage * C::kTileBytes;
-      if constexpr (C::kF16) {
-        issue_chain(acc, keys_tile, 0);
-      } else {
-        issue_chain(acc0, keys_tile, 0);
-        issue_chain(acc1, keys_tile, 1);
-      }
-      const TileKeys keys{scale_s[stage * C::kKeys + key_lo], scale_s[stage * C::kKeys + key_hi],
-                          valid_s[stage * C::kKeys + key_lo] != 0,
-                          valid_s[stage * C::kKeys + key_hi] != 0};
-      if constexpr (C::kF16) {
-        sm90::wgmma_wait<0>();
-        sm90::fence_operands(acc);
-        sm90::mbarrier_arrive(bar_empty(stage));  // the chain has read the keys
-      } else {
-        sm90::wgmma_wait<1>();
-      }
-      finish_bank(acc0, 0, i * C::kKeys, keys, mine);
-      if constexpr (!C::kF16) {
-        sm90::wgmma_wait<0>();
-        sm90::mbarrier_arrive(bar_empty(stage));  // both banks have read the keys
-      }
-      finish_bank(acc1, 1, i * C::kKeys, keys, mine);
-    }
-  }
-
-  // fill_masked: positions [ctx, width) of this group's computed rows are -inf (split 0's work).
-  if (p.fill_masked && split == 0) {
-    const int gtid = threadIdx.x % 128;
-    for (int r = 0; r < kT; ++r) {
-      const int cr = wg * kT + r;
-      if (rows.ctx[cr] < 0) continue;
-      float* out = p.logits + (row0 + cr) * p.width;
-      for (int64_t pos = rows.ctx[cr] + gtid; pos < p.width; pos += 128) out[pos] = -INFINITY;
+      issue_chain(acc, keys_tile);
+      float* partials = reinterpret_cast<float*>(smem + C::kEpi + epi_stage * C::kEpiStageBytes);
+      sm90::mbarrier_wait(bar_epi_empty(epi_stage), ((n / C::kEpiStages) & 1) ^ 1);
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(acc);
+      sm90::mbarrier_arrive(bar_empty(stage));  // the chain has read the keys
+      partial_bank(acc0, 0, partials);
+      partial_bank(acc1, 1, partials);
+      sm90::mbarrier_arrive(bar_epi_full(epi_stage));
     }
   }
 }
