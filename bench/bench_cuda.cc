@@ -509,6 +509,16 @@ std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int6
                         be, [&](int) { be.indexer_logits(a, 0, t, logits, o); }, runs),
                     2.0 * hi * di * pairs, 0});
   }
+  // The e4m3 wgmma kernel over fixed key splits (CTAs per row group; the rows above choose by
+  // indexer_logits_key_splits): what the split costs or saves at this length.
+  be.options().indexer_kernel = cuda::IndexerKernel::kWgmma;
+  for (int splits : {1, 2, 3, 4, 6}) {
+    be.options().indexer_key_splits = splits;
+    rows.push_back({shape, fmt::format("logits_wgmma x{}", splits),
+                    time_ms(
+                        be, [&](int) { be.indexer_logits(a, 0, t, logits, o); }, runs),
+                    2.0 * hi * di * pairs, 0});
+  }
   be.options() = previous;  // host_value_checks stays off
   Tensor top = be.empty(DType::kI32, {t, k});
   // Each block size of the top-k kernel, then its choice by width ("topk").
