@@ -489,7 +489,11 @@ struct BatchIndexer {
 
 BatchIndexer make_batch_indexer(Backend& gpu, Backend& cpu, Rng& rng, int h_i, int page_size) {
   constexpr int kDim = 128;
-  const std::vector<std::pair<int, int>> requests = {{150, 13}, {0, 20}};  // (prefix, extend)
+  // (prefix, extend): the short requests put three to five requests in one row group of the
+  // wgmma kernel (6, 8, 12 or 16 rows), so its segments and the finishers' per-segment state
+  // are reused within a CTA.
+  const std::vector<std::pair<int, int>> requests = {{150, 13}, {0, 20}, {40, 1},
+                                                     {7, 2},    {0, 2},  {300, 4}};
   BatchIndexer b;
   b.h_i = h_i;
   std::vector<int32_t> start, ctx;
@@ -503,7 +507,7 @@ BatchIndexer make_batch_indexer(Backend& gpu, Backend& cpu, Rng& rng, int h_i, i
   }
   b.tokens = int64_t(ctx.size());
   b.width = n_kv;  // wider than every context: the -inf fill is exercised
-  const IndexKeyPoolDesc desc{page_size, 256 / page_size, kDim};
+  const IndexKeyPoolDesc desc{page_size, 1024 / page_size, kDim};
   const std::vector<int32_t> locs = distinct_locations(rng, n_kv, desc.num_locations());
   const Tensor keys = tiled_bf16(rng, n_kv, kDim);
   b.gpu_pool = gpu.make_index_pool(desc);
