@@ -19,8 +19,8 @@
 // indexer_logits_key_splits); its threads in three roles:
 //   consumers, WG c < kConsumers: own tokens [c·kWgTokens, (c + 1)·kWgTokens) (128 columns =
 //     kWgTokens x kHeads) and compute every tile with the same A operand: one chain of N = 128
-//     wgmmas (each k-step reads the keys' A tile once), then each lane's gated-ReLU sums of its
-//     32 columns per token and key into an epilogue stage (shared memory). The gates are held
+//     wgmmas (each k-step reads the keys' A tile once), then each lane's gated-ReLU sum over its
+//     columns of each token, per key, into an epilogue stage (shared memory). The gates are held
 //     in registers for the whole CTA. Every chain completes within the tile: ptxas serializes
 //     the wgmmas (C7514) when an accumulator is still in flight across the loop's back edge;
 //     the other groups' wgmmas fill the tensor pipe meanwhile.
@@ -97,8 +97,8 @@ struct LogitsConfig {
   static constexpr int kThreads = (kConsumers + kRoleWgs) * 128;
   // setmaxnreg moves registers within the CTA's launch allocation (kThreads x kEntryRegs under
   // __launch_bounds__(kThreads, 1): 64K registers, 8 per thread the granule): the consumers
-  // hold two banks' accumulators (64) and their gates (32); the kF16 producer holds a row's 64
-  // codes across the wait for its stage.
+  // hold two banks' accumulators (64) and their gates (32); a kF16 producer holds half a row's
+  // codes (64) across the wait for its stage.
   static constexpr int kEntryRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kF16 ? 120 : 104;
   static constexpr int kProducerRegs = kF16 ? 80 : 64;  // kE4m3: the finishers' too
