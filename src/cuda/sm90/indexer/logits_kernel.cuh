@@ -195,7 +195,7 @@ inline int indexer_logits_key_splits(int64_t groups, int64_t max_tiles, int sms)
 }
 
 // The named barrier of the finishers' kFinishers threads (0 is __syncthreads).
-constexpr int kEpilogueBarrier = 1;
+constexpr int kFinisherBarrier = 1;
 
 template <int kHeads, LogitsOperands kOps>
 __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
@@ -362,6 +362,8 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     // keys are one 128-byte store per token.
     constexpr int kTokStep = C::kFinishers / C::kKeys;
     const int etid = threadIdx.x - 128 * C::kConsumers - C::kProducers;
+    // tok0 is 0 whenever kTokStep is 1 (etid < kFinishers); spelled out so the token loop's
+    // indices are compile-time there.
     const int key = etid % C::kKeys, tok0 = kTokStep == 1 ? 0 : etid / C::kKeys;
     int n = 0;
     int64_t start, limit;
@@ -374,7 +376,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
         const bool in_seg = rows.ctx[etid] >= 0 && rows.start[etid] == start;
         seen[etid] = in_seg ? int(rows.ctx[etid]) : 0;
       }
-      sm90::named_barrier_sync(kEpilogueBarrier, C::kFinishers);
+      sm90::named_barrier_sync(kFinisherBarrier, C::kFinishers);
       int64_t begin, end;
       split_tiles(limit, begin, end);
       for (int i = int(begin); i < int(end); ++i, ++n) {
