@@ -74,6 +74,21 @@ int sparse_mla_sm90_heads(int option) {
   return v == "auto" ? 0 : std::stoi(v);
 }
 
+// The wgmma dense kernel's head group: DSAKIT_DENSE_HEAD_GROUP (auto | n >= 1) overrides the
+// option (auto: 0, by the K / V bytes).
+int dense_head_group(int option) {
+  constexpr const char* kEnv = "DSAKIT_DENSE_HEAD_GROUP";
+  const char* s = std::getenv(kEnv);
+  if (s == nullptr || *s == 0) return option;
+  const std::string v = s;
+  if (v == "auto") return 0;
+  char* end = nullptr;
+  const long n = std::strtol(s, &end, 10);
+  DSAKIT_CHECK_ARG(*end == 0 && n >= 1 && n <= (1 << 20), kEnv,
+                   ": expected 'auto' or a head count >= 1, got '", v, "'");
+  return int(n);
+}
+
 }  // namespace
 
 struct CudaBackend::ProjectionOperands {
@@ -593,7 +608,8 @@ void CudaBackend::dense_mha(const DenseMhaArgs& args) {
         scratch.push_back(empty(DType::kU8, {int64_t(bytes)}));
         return scratch.back().view().data;
       },
-      attention_kernel("DSAKIT_DENSE_MHA_KERNEL", options_.dense_mha_kernel));
+      attention_kernel("DSAKIT_DENSE_MHA_KERNEL", options_.dense_mha_kernel),
+      dense_head_group(options_.dense_head_group));
 }
 
 void CudaBackend::merge_partials(const TensorView& o_parts, const TensorView& lse_parts,

@@ -56,6 +56,10 @@ struct CudaBackendOptions {
   // The dense MHA kernel: kAuto chooses per call (dense_mha_kernel_for); the environment
   // variable DSAKIT_DENSE_MHA_KERNEL (auto | sm80 | sm90) overrides it.
   AttentionKernel dense_mha_kernel = AttentionKernel::kAuto;
+  // The wgmma dense kernel's heads per grid group (the CTAs' order; the same bits for every
+  // value): 0 chooses by the K / V bytes (dense_head_group), n > 0 takes min(n, H);
+  // DSAKIT_DENSE_HEAD_GROUP (auto | n) overrides it.
+  int dense_head_group = 0;
   // Threads per row of the top-k kernel: 0 chooses by row width (topk_threads_for), else 256,
   // 512 or 1024 (the benchmark and the tests run each).
   int topk_threads = 0;

@@ -567,6 +567,61 @@ TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
   }
 }
 
+// The wgmma kernel's grid order visits every (head, tile) once, in groups of head_group heads
+// (the last one smaller), tile-major within a group; the group keeps its heads' K / V in the
+// L2 budget.
+TEST(DenseMhaSchedule, CtaOrderVisitsEveryHeadAndTileOnceGroupByGroup) {
+  using cuda::dense_mha::dense_sm90_cta_work;
+  for (const int heads : {1, 3, 16, 128})
+    for (const int tiles : {1, 5, 32})
+      for (int group = 1; group <= heads; group += group < 4 ? 1 : 5) {
+        SCOPED_TRACE(::testing::Message()
+                     << "heads " << heads << " tiles " << tiles << " group " << group);
+        std::vector<int> seen(size_t(heads) * tiles, 0);
+        int previous_tile = -1, previous_group = 0;
+        for (int cta = 0; cta < heads * tiles; ++cta) {
+          const auto w = dense_sm90_cta_work(unsigned(cta), tiles, heads, group);
+          ASSERT_TRUE(w.head >= 0 && w.head < heads && w.tile >= 0 && w.tile < tiles);
+          ++seen[size_t(w.head) * tiles + w.tile];
+          // Within a group the tiles never go back; a new group starts at tile 0.
+          if (w.head / group != previous_group) {
+            EXPECT_EQ(w.head / group, previous_group + 1);
+            EXPECT_EQ(w.tile, 0);
+            previous_group = w.head / group;
+          } else {
+            EXPECT_GE(w.tile, previous_tile);
+          }
+          previous_tile = w.tile;
+        }
+        for (const int n : seen) ASSERT_EQ(n, 1);
+      }
+  using cuda::dense_mha::dense_head_group;
+  using cuda::dense_mha::kDenseHeadGroupBytes;
+  // K / V rows of a head: DeepSeek-V3.2's 512 bytes (128 + 128 bf16), GLM-5's 896 (192 + 256).
+  EXPECT_EQ(dense_head_group(4096, 16, 128, 128), 8);    // 2 MiB a head
+  EXPECT_EQ(dense_head_group(2048, 128, 128, 128), 16);  // 1 MiB
+  EXPECT_EQ(dense_head_group(2048, 64, 192, 256), 8);    // 9 fit, 8 divides 64
+  EXPECT_EQ(dense_head_group(1024, 16, 192, 256), 16);   // 18 fit: capped at H
+  EXPECT_EQ(dense_head_group(2200, 12, 128, 128), 12);   // 14 fit
+  EXPECT_EQ(dense_head_group(5000, 7, 128, 128), 1);     // 6 fit, 7 is prime
+  EXPECT_EQ(dense_head_group(65536, 128, 192, 256), 1);  // 56 MiB a head: one at a time
+  EXPECT_EQ(dense_head_group(0, 4, 128, 128), 4);
+  for (const int64_t n : {1, 1000, 4096, 100000})
+    for (const int64_t h : {1, 6, 16, 128}) {
+      const int g = dense_head_group(n, h, 128, 128);
+      ASSERT_TRUE(g >= 1 && g <= h && h % g == 0);
+      if (g > 1) {
+        EXPECT_LE(g * n * 512, kDenseHeadGroupBytes);
+      }
+      // No larger divisor of h fits.
+      for (int64_t d = g + 1; d <= h; ++d) {
+        if (h % d == 0) {
+          EXPECT_GT(d * n * 512, kDenseHeadGroupBytes) << "n " << n << " h " << h << " d " << d;
+        }
+      }
+    }
+}
+
 // kAuto's sparse MLA kernel, decided on the host from the pool alone: wgmma for every pool it
 // reads exactly (bf16, fp8-raw, 656-byte with pow2 scales), mma.sync for amax-scaled 656-byte
 // pools.
@@ -737,7 +792,10 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
       const KvHalves halves = kv_halves(kv_d, c.d_nope);
       std::vector<uint8_t> first_bits;
       std::vector<double> o_out, lse_out;
-      for (int run = 0; run < 3; ++run) {
+      // The fourth run orders the wgmma kernel's grid in groups of 3 heads (and 1 on a single
+      // head): the same bits.
+      for (int run = 0; run < 4; ++run) {
+        const KernelScope group("DSAKIT_DENSE_HEAD_GROUP", run == 3 ? "3" : "auto");
         Tensor o = poisoned(DType::kBF16, {t_n, h, c.d_v});
         Tensor lse = poisoned(DType::kF32, {t_n, h});
         a.o = o.view();
@@ -753,8 +811,10 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
           o_out = testing::to_double(o_h.view());
           lse_out = testing::to_double(backend_->to_host(lse.view()).view());
         } else {
-          EXPECT_EQ(bits, first_bits) << (run == 1 ? "o differs between two identical runs"
-                                                   : "o differs with K/V as halves of one buffer");
+          EXPECT_EQ(bits, first_bits)
+              << (run == 1   ? "o differs between two identical runs"
+                  : run == 2 ? "o differs with K/V as halves of one buffer"
+                             : "o differs with the grid in head groups of 3");
         }
       }
 

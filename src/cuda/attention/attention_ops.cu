@@ -154,7 +154,8 @@ AttentionKernel dense_mha_kernel_for(const DenseMhaArgs& a) {
 }
 
 void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
-                    const std::function<void*(size_t)>& scratch, AttentionKernel kernel) {
+                    const std::function<void*(size_t)>& scratch, AttentionKernel kernel,
+                    int head_group) {
   constexpr const char* kOp = "cuda dense_mha";
   using namespace cuda::dense_mha;
   require_bf16(a.q_nope, kOp, "q_nope");
@@ -232,6 +233,8 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   params.num_kv = num_kv;
   params.num_tiles = int(tiles.size());
   params.num_heads = int(num_heads);
+  params.head_group = head_group > 0 ? int(std::min<int64_t>(head_group, num_heads))
+                                     : dense_head_group(num_kv, num_heads, d_nope, d_v);
   params.v_slices = v_slices;
   params.d_v_total = d_v;
   params.sm_scale = float(a.sm_scale);

@@ -50,10 +50,12 @@ AttentionKernel dense_mha_kernel_for(const DenseMhaArgs& args);
 // over several CTAs and merge the partial results (merge_partials). `scratch(bytes)` returns
 // stream-ordered device memory that stays valid until the call returns (the backend's arena: no
 // allocation once warm), for a long tile schedule and the split partials. `kernel` other than
-// kAuto forces that kernel (kUnsupported where it cannot run these arguments).
+// kAuto forces that kernel (kUnsupported where it cannot run these arguments). `head_group` > 0
+// sets the wgmma kernel's grid order (heads per group, capped at H; the output is the same bits
+// for every value), 0 chooses it by the K / V bytes (dense_head_group).
 void cuda_dense_mha(const DenseMhaArgs& args, int sm_count, cudaStream_t stream,
                     const std::function<void*(size_t)>& scratch,
-                    AttentionKernel kernel = AttentionKernel::kAuto);
+                    AttentionKernel kernel = AttentionKernel::kAuto, int head_group = 0);
 // Upper bound of the bytes cuda_dense_mha takes from `scratch` for these shapes.
 int64_t cuda_dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope, int d_v,
                                      int sm_count);

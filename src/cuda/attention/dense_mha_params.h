@@ -62,6 +62,8 @@ struct DenseMhaParams {
   const DenseTile* tiles;  // [num_tiles] device copy of the schedule, or null: inline_tiles
   int num_tiles;
   int num_heads;  // H
+  // The wgmma kernel's grid order (dense_sm90_cta_work): heads in groups of head_group (1..H).
+  int head_group;
   // V columns per CTA (mma.sync; the wgmma kernel takes v_slices == 1): the kernel instance's
   // d_v; a CTA per (tile, head, slice) computes
   // columns [slice * d_v, (slice + 1) * d_v) of d_v_total = d_v * v_slices. More than one slice
@@ -77,7 +79,8 @@ struct DenseMhaParams {
 template <int kDimNope, int kDimRope, int kDimV>
 cudaError_t run_dense_mha(const DenseMhaParams& params, cudaStream_t stream);
 
-// wgmma kernel: one CTA per (tile, head), tiles of dense_sm90_shape(d_v), v_slices == 1.
+// wgmma kernel: one CTA per (tile, head) in the order of dense_sm90_cta_work, tiles of
+// dense_sm90_shape(d_v), v_slices == 1, 1 <= head_group <= num_heads.
 // Returns cudaErrorInvalidValue, launching nothing, when TMA cannot address the tensors
 // (make_tensor_map_bf16_sw128: 16-byte aligned bases and strides).
 template <int kDimNope, int kDimRope, int kDimV>
@@ -88,6 +91,26 @@ cudaError_t run_dense_mha_sm90(const DenseMhaParams& params, cudaStream_t stream
 // shared memory bound it), one CTA per SM.
 inline constexpr DenseTileShape dense_sm90_shape(int d_v) {
   return {128, d_v <= 128 ? 128 : 80, 1};
+}
+
+// What CTA `cta` of the wgmma kernel's grid (num_tiles x num_heads CTAs) computes. Heads go in
+// groups of head_group (the last group may be smaller); a group's CTAs are tile-major: the
+// schedule's tile 0 (the heaviest) for each of the group's heads, then tile 1, ... So the CTAs
+// in flight together read the K / V rows of head_group heads (chosen to fit in L2,
+// dense_head_group), and the lightest tiles of the whole grid run last, filling its last wave.
+// Invariant: a bijection from [0, num_tiles x num_heads) to (head, tile) pairs.
+struct DenseCtaWork {
+  int head, tile;
+};
+__host__ __device__ inline DenseCtaWork dense_sm90_cta_work(unsigned cta, int num_tiles,
+                                                            int num_heads, int head_group) {
+  const unsigned per_group = unsigned(head_group) * unsigned(num_tiles);
+  const unsigned first_head = cta / per_group * unsigned(head_group);
+  const unsigned in_group = cta % per_group;
+  const unsigned heads = unsigned(num_heads) - first_head < unsigned(head_group)
+                             ? unsigned(num_heads) - first_head
+                             : unsigned(head_group);
+  return {int(first_head + in_group % heads), int(in_group / heads)};
 }
 
 }  // namespace dsakit::cuda::dense_mha

@@ -34,6 +34,22 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
                                    int64_t max_partial_bytes,
                                    DenseTileShape shape = kDenseSm80Shape);
 
+// The K / V bytes the wgmma kernel's CTAs in flight together should read: a third of the 50 MB
+// L2 of Hopper's H100 / H200, leaving the rest to Q, the outputs and the k_pe rows.
+inline constexpr int64_t kDenseHeadGroupBytes = int64_t(16) << 20;
+
+// The wgmma kernel's head group (dense_sm90_cta_work): the most heads that divide num_heads and
+// keep their K / V rows (num_kv x (d_nope + d_v) bf16 each) within kDenseHeadGroupBytes, at
+// least 1. A divisor, because a smaller last group starts its heaviest tiles after the lightest
+// of the group before it.
+inline int dense_head_group(int64_t num_kv, int64_t num_heads, int d_nope, int d_v) {
+  const int64_t head_bytes = num_kv * (d_nope + d_v) * 2;
+  int64_t group = head_bytes > 0 ? kDenseHeadGroupBytes / head_bytes : num_heads;
+  group = group < 1 ? 1 : group > num_heads ? num_heads : group;
+  while (num_heads % group != 0) --group;
+  return int(group);
+}
+
 // The split partials' budget for num_kv key rows of num_heads heads: the size of the bf16 K/V
 // buffers the caller already holds (the max_partial_bytes cuda_dense_mha passes).
 inline int64_t dense_partials_budget_bytes(int64_t num_kv, int64_t num_heads, int d_nope, int d_v) {

@@ -140,10 +140,9 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   const uint32_t bar_q = base + Tr::kBarQ;
   const auto bar = [&](int offset, int stage) { return base + offset + 8 * stage; };
 
-  // Head-major: the CTAs in flight at once are mostly one head's tiles, which read the same
-  // K / V rows (L2 hits); within a head the schedule's order (heaviest first).
-  const int h = int(blockIdx.x / unsigned(p.num_tiles));
-  const int tile_index = int(blockIdx.x % unsigned(p.num_tiles));
+  // Heads in L2-sized groups, tile-major within a group (dense_sm90_cta_work).
+  const DenseCtaWork work = dense_sm90_cta_work(blockIdx.x, p.num_tiles, p.num_heads, p.head_group);
+  const int h = work.head, tile_index = work.tile;
   const DenseTile tile = p.tiles != nullptr ? p.tiles[tile_index] : p.inline_tiles[tile_index];
   const int kv_len = tile.first_query_pos + tile.q_len;  // rows the tile's last query sees
   const int block_begin = tile.block_begin;
@@ -428,7 +427,8 @@ template <int kDimNope, int kDimRope, int kDimV>
 cudaError_t run_dense_mha_sm90(const DenseMhaParams& p, cudaStream_t stream) {
   using Tr = DenseSm90Traits<kDimNope, kDimRope, kDimV>;
   if (p.num_tiles == 0 || p.num_heads == 0) return cudaSuccess;
-  if (p.v_slices != 1 || p.d_v_total != kDimV) return cudaErrorInvalidValue;
+  if (p.v_slices != 1 || p.d_v_total != kDimV || p.head_group < 1 || p.head_group > p.num_heads)
+    return cudaErrorInvalidValue;
   const int64_t num_ctas = int64_t(p.num_tiles) * p.num_heads;
   if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
   DenseMhaSm90Params params{};
