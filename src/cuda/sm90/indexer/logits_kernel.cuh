@@ -182,16 +182,23 @@ __device__ __forceinline__ bool cta_segment(const CtaRows<kRows>& rows, int seg,
   return false;
 }
 
-// CTAs per row group over the key tiles: one CTA per SM is resident, so a grid of fewer than
-// kCtasPerSm · sms CTAs (a short chunk of rows, or the driver's narrow row blocks of a long
-// prompt) leaves SMs idle at its end; its key range is split until the grid has that many CTAs,
-// keeping at least kMinTilesPerSplit tiles (1,024 keys) per CTA so the query staging stays
-// small against the keys.
+// CTAs per row group over the key tiles. One CTA is resident per SM, and each costs about
+// kCtaOverheadTiles tiles' time beyond its own tiles (staging its queries, waiting for its first
+// gathered tile, draining at its end; measured on the H200, docs/perf.md). The count chosen
+// minimizes the grid's time as whole waves of `sms` CTAs, each wave as long as a CTA over
+// ceil(max_tiles / splits) tiles plus that overhead; ties go to fewer splits. A split pays only
+// where the row groups alone leave SMs idle (a short chunk of rows, the driver's narrow row
+// blocks of a long prompt).
 inline int indexer_logits_key_splits(int64_t groups, int64_t max_tiles, int sms) {
-  constexpr int64_t kCtasPerSm = 4, kMinTilesPerSplit = 16;
-  const int64_t want = (kCtasPerSm * sms + groups - 1) / std::max<int64_t>(groups, 1);
-  const int64_t most = std::max<int64_t>(1, max_tiles / kMinTilesPerSplit);
-  return int(std::max<int64_t>(1, std::min(want, most)));
+  constexpr int64_t kCtaOverheadTiles = 14, kMostSplits = 64;
+  int best = 1;
+  int64_t best_cost = INT64_MAX;
+  for (int64_t splits = 1; splits <= std::min(max_tiles, kMostSplits); ++splits) {
+    const int64_t waves = (groups * splits + sms - 1) / sms;
+    const int64_t cost = waves * ((max_tiles + splits - 1) / splits + kCtaOverheadTiles);
+    if (cost < best_cost) best = int(splits), best_cost = cost;
+  }
+  return best;
 }
 
 // The named barrier of the finishers' kFinishers threads (0 is __syncthreads).
