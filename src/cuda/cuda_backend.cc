@@ -452,7 +452,13 @@ void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_
   DSAKIT_CHECK_ARG(options_.indexer_key_splits >= 0,
                    "CudaBackendOptions::indexer_key_splits: expected >= 0, got ",
                    options_.indexer_key_splits);
-  DSAKIT_CUDA_CHECK(launch_logits(kernel, p, options_.indexer_key_splits, sm_count_, stream_));
+  DSAKIT_CHECK_ARG(options_.indexer_logits_ctas >= 0,
+                   "CudaBackendOptions::indexer_logits_ctas: expected >= 0, got ",
+                   options_.indexer_logits_ctas);
+  const int ctas = options_.indexer_logits_ctas > 0
+                       ? std::min(options_.indexer_logits_ctas, sm_count_)
+                       : sm_count_;
+  DSAKIT_CUDA_CHECK(launch_logits(kernel, p, options_.indexer_key_splits, ctas, stream_));
 }
 
 void CudaBackend::topk(const TensorView& logits, const TensorView& ctx_len, int k,

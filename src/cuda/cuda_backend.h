@@ -44,9 +44,12 @@ struct CudaBackendOptions {
   // which moves near-tie top-k choices: opt in (docs/numerics.md).
   // DSAKIT_INDEXER_KERNEL (scalar | tc | sm90-exact | sm90) overrides it.
   IndexerKernel indexer_kernel = IndexerKernel::kWgmmaExact;
-  // The wgmma logits kernel's CTAs per row group over the key range: 0 chooses by grid size
+  // The wgmma logits kernel's work items per row group over the key range: 0 chooses by grid size
   // (indexer_logits_key_splits); the logits are the same bits for every value (tested).
   int indexer_key_splits = 0;
+  // The wgmma logits kernel's persistent grid: 0 one CTA per SM; n > 0 runs it (and chooses key
+  // splits) as if the device had min(n, SMs) SMs. The logits are the same bits for every value.
+  int indexer_logits_ctas = 0;
   // The sparse MLA kernel: kAuto chooses per call (sparse_mla_kernel_for); the environment
   // variable DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides it.
   AttentionKernel sparse_mla_kernel = AttentionKernel::kAuto;

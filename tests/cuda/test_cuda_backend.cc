@@ -621,11 +621,25 @@ TEST_F(CudaBackendTest, TensorCoreLogitsMatchScalarKernelAndCpu) {
           EXPECT_NE(got, mma_sync) << "the wgmma kernel ran (its sums differ from mma.sync's)";
         }
 
-        // The wgmma kernel's key splits (more CTAs than tiles included): the same bits.
+        // The wgmma kernel's key splits (more CTAs than tiles included), and persistent grids
+        // of 1-3 CTAs, each over many work items (both query buffers reused, segments of
+        // several requests one item after another): the same bits.
         for (int splits : wgmma ? std::vector<int>{2, 3, 5} : std::vector<int>{}) {
           cuda().options().indexer_key_splits = splits;
           EXPECT_EQ(gpu_logits(kernel, 0, b.tokens), got) << "key splits " << splits;
         }
+        for (int ctas : wgmma ? std::vector<int>{1, 2, 3} : std::vector<int>{})
+          for (int splits : {1, 3}) {
+            cuda().options().indexer_logits_ctas = ctas;
+            cuda().options().indexer_key_splits = splits;
+            EXPECT_EQ(gpu_logits(kernel, 0, b.tokens), got)
+                << ctas << " CTAs, key splits " << splits;
+            EXPECT_EQ(gpu_logits(kernel, 3, b.tokens - 1),
+                      std::vector<double>(got.begin() + 3 * b.width,
+                                          got.begin() + (b.tokens - 1) * b.width))
+                << ctas << " CTAs, key splits " << splits << ", rows [3, tokens - 1)";
+          }
+        cuda().options().indexer_logits_ctas = 0;
         cuda().options().indexer_key_splits = 0;
 
         // A row range starting mid-batch (row_begin not a multiple of the CTA's row group).
@@ -668,6 +682,10 @@ TEST_F(CudaBackendTest, WgmmaLogitsKeySplitsKeepTheBits) {
     const Tensor one = logits(1, true);
     EXPECT_TRUE(same_bytes(logits(0, true), one));
     EXPECT_TRUE(same_bytes(logits(7, true), one));
+    // 21 work items on a persistent grid of 2 CTAs.
+    cuda().options().indexer_logits_ctas = 2;
+    EXPECT_TRUE(same_bytes(logits(7, true), one));
+    cuda().options().indexer_logits_ctas = 0;
     const Tensor unfilled = logits(0, false), poison = poisoned(DType::kF32, {extend, width});
     const Tensor poison_host = gpu_->to_host(poison);
     for (int64_t r = 0; r < extend; ++r) {

@@ -81,8 +81,9 @@ cudaError_t launch_indexer_logits_tc(const IndexerLogitsParams& p, cudaStream_t 
 // and query codes. kF16 is fp32-exact like the mma.sync kernel; kE4m3 accumulates in fp8
 // (~1e-4 rel-L2 from fp32; the kernel header).
 bool indexer_logits_sm90_supported(const IndexerLogitsParams& p, LogitsOperands ops);
-// key_splits: CTAs per row group over the key range, 0 to choose by grid size against the
-// device's `sms` streaming multiprocessors (the logits are the same bits for any value).
+// key_splits: work items per row group over the key range, 0 to choose by grid size against the
+// device's `sms` streaming multiprocessors; the persistent grid has min(items, sms) CTAs (the
+// logits are the same bits for any value of either).
 cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, LogitsOperands ops,
                                        int key_splits, int sms, cudaStream_t stream);
 // threads: the block size per row (256, 512 or 1024), 0 for topk_threads_for(p.width); any

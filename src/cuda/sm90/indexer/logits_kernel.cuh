@@ -14,24 +14,28 @@
 // ReLUs per key in registers plus a reduction over the 4 lanes q that share those keys, which
 // the epilogue does.
 //
-// One CTA per kCtaTokens consecutive rows of the batch (one request, normally) and part of the
-// key tiles (key_splits CTAs per row group when the row groups alone would leave SMs idle,
-// indexer_logits_key_splits); its threads in three roles:
+// Work items: kCtaTokens consecutive rows of the batch (a row group; one request, normally) and
+// part of the key tiles (key_splits items per row group when the row groups alone would leave SMs
+// idle, indexer_logits_key_splits). The grid is persistent, one CTA per SM over its items in
+// rounds, the longest items first (item_of); a CTA's threads in three roles:
 //   consumers, WG c < kConsumers: own tokens [c·kWgTokens, (c + 1)·kWgTokens) (128 columns =
-//     kWgTokens x kHeads) and compute every tile with the same A operand: one chain of N = 128
-//     wgmmas (each k-step reads the keys' A tile once), then each lane's gated-ReLU sum over its
-//     columns of each token, per key, into an epilogue stage (shared memory). The gates are held
-//     in registers for the whole CTA. Every chain completes within the tile: ptxas serializes
-//     the wgmmas (C7514) when an accumulator is still in flight across the loop's back edge;
-//     the other groups' wgmmas fill the tensor pipe meanwhile.
-//   producers (kProducers threads): the CTA's query codes and gates once, then the key rows of
-//     every 64-key tile of positions [0, context) gathered by location into a kStages ring,
+//     kWgTokens x kHeads) of the item and compute every tile with the same A operand: one chain
+//     of N = 128 wgmmas (each k-step reads the keys' A tile once), then each lane's gated-ReLU sum
+//     over its columns of each token, per key, into an epilogue stage (shared memory). The gates
+//     are held in registers for the whole item. Every chain completes within the tile: ptxas
+//     serializes the wgmmas (C7514) when an accumulator is still in flight across the loop's back
+//     edge; the other groups' wgmmas fill the tensor pipe meanwhile.
+//   producers (kProducers threads): per item its rows (CtaRows), query codes and gates into a
+//     query buffer (kE4m3 has two: the next item's queries load while the current one computes;
+//     an item of identity rows stages none), then the key rows of every 64-key tile of positions
+//     [0, context) gathered by location into a kStages ring that runs on across items,
 //     with each row's scale and a valid flag: kE4m3 by cp.async (16 B, completing on the
 //     stage's mbarrier); kF16 by 16-byte register loads issued before the wait for the stage,
 //     widened and stored after it (st.shared, then a proxy fence before the arrive).
 //   finishers (kFinishers threads, the epilogue): per tile, the 4 lanes' partials of each
 //     (token, key) summed, scaled, masked to the token's segment and stored, 128 bytes per
 //     warp and token; they release the key stage (its scales) and the epilogue stage.
+//   Consumers and finishers release an item's query buffer when done with it (q_empty).
 // Moving the quad reduction and the stores off the consumers (DeepGEMM's fp8_mqa_logits design)
 // leaves them the wgmmas and the gated sums, so kE4m3 fits a fourth consumer group at 104
 // registers, with producers and finishers as two warps each of one warpgroup.
@@ -48,12 +52,12 @@
 // Rows with ctx_len <= skip_ctx_at_most are not computed (the top-k identity shortcut).
 //
 // Shared memory (bytes, tiles 1024-aligned; kRowBytes = 128 · kElemBytes):
-//   q      [kCtaTokens * kHeads][kRowBytes]  query operand, row (r, h) = r * kHeads + h
+//   q      [kQBuffers][kCtaTokens * kHeads][kRowBytes]  query operand, row (r, h) = r * kHeads + h
 //   keys   [kStages][64][kRowBytes]          key operand (8 / 16 KB a stage)
 //   epi    f32 [kEpiStages][kCtaTokens][64][4]  the consumers' partial head sums
-//   gate   f32 [kCtaTokens * kHeads]; scale f32 [kStages][64]; valid u8 [kStages][64];
-//   mbarriers q_full, full/empty[kStages], epi full/empty[kEpiStages]; the CTA's rows
-//   (CtaRows); the finishers' positions seen per token, i32 [2][kCtaTokens]
+//   gate   f32 [kQBuffers][kCtaTokens * kHeads]; scale f32 [kStages][64]; valid u8 [kStages][64];
+//   mbarriers q full/empty[kQBuffers], full/empty[kStages], epi full/empty[kEpiStages]; each
+//   query buffer's rows (CtaRows); the finishers' positions seen per token, i32 [2][kCtaTokens]
 //
 // Invariants: page_size % 4 == 0 and 16-byte aligned key_pages / q8 (every key row and query
 // row is 16-byte aligned: the launcher refuses other pools), 1 <= h_i == kHeads, width < 2^31
@@ -93,7 +97,11 @@ struct LogitsConfig {
   static constexpr int kCtaTokens = kConsumers * kWgTokens;
   static constexpr int kKStep = kF16 ? 16 : 32;  // the wgmma's K (elements)
   static constexpr int kKSteps = kDim / kKStep;  // wgmma steps per tile
-  static constexpr int kStages = kF16 ? 6 : 8;
+  // kE4m3 at H_i 32 takes one stage less: its 16 KB epilogue stages need the room.
+  static constexpr int kStages = kF16 ? 6 : kHeads == 64 ? 8 : 7;
+  // Query buffers: kE4m3 loads the next work item's queries while the current one computes
+  // (64 KB each); kF16's 96-128 KB operand fits once.
+  static constexpr int kQBuffers = kF16 ? 1 : 2;
   static constexpr int kThreads = (kConsumers + kRoleWgs) * 128;
   // setmaxnreg moves registers within the CTA's launch allocation (kThreads x kEntryRegs under
   // __launch_bounds__(kThreads, 1): 64K registers, 8 per thread the granule): the consumers
@@ -116,25 +124,27 @@ struct LogitsConfig {
   // A tile's head sums as the consumers leave them: f32 [kCtaTokens][kKeys][4], the partial of
   // quad lane q at [token][key][q].
   static constexpr int kEpiStageBytes = kCtaTokens * kKeys * 16;
+  static constexpr int kQBytes = kCtaRows * kDim * kElemBytes;  // one query buffer
   static constexpr int kQ = 0;
-  static constexpr int kKeysOff = kQ + kCtaRows * kDim * kElemBytes;
+  static constexpr int kKeysOff = kQ + kQBuffers * kQBytes;
   static constexpr int kEpi = kKeysOff + kStages * kTileBytes;
   // The arrays after the epilogue stages, at most 4 epilogue barriers each side.
-  static constexpr int kSmallBytes =
-      4 * kCtaTokens * kHeads + 5 * kStages * kKeys + 8 + 16 * kStages + 64 + 24 * kCtaTokens + 8;
+  static constexpr int kSmallBytes = kQBuffers * (4 * kCtaRows + 16 + 16 * kCtaTokens) +
+                                     5 * kStages * kKeys + 16 * kStages + 64 + 8 * kCtaTokens + 8;
   // As many epilogue stages as fit, at most 4.
   static constexpr int kEpiStages = std::min(4, (227 * 1024 - kSmallBytes - kEpi) / kEpiStageBytes);
-  static constexpr int kGate = kEpi + kEpiStages * kEpiStageBytes;
-  static constexpr int kScale = kGate + 4 * kCtaTokens * kHeads;
+  static constexpr int kGate = kEpi + kEpiStages * kEpiStageBytes;  // f32 [kQBuffers][kCtaRows]
+  static constexpr int kScale = kGate + kQBuffers * 4 * kCtaRows;
   static constexpr int kValid = kScale + 4 * kStages * kKeys;
   static constexpr int kBars = (kValid + kStages * kKeys + 7) / 8 * 8;
-  static constexpr int kBarQ = kBars;
-  static constexpr int kBarFull = kBars + 8;                   // + 8 * stage
-  static constexpr int kBarEmpty = kBarFull + 8 * kStages;     // + 8 * stage
-  static constexpr int kBarEpiFull = kBarEmpty + 8 * kStages;  // + 8 * epilogue stage
+  static constexpr int kBarQFull = kBars;                       // + 8 * query buffer
+  static constexpr int kBarQEmpty = kBarQFull + 8 * kQBuffers;  // + 8 * query buffer
+  static constexpr int kBarFull = kBarQEmpty + 8 * kQBuffers;   // + 8 * stage
+  static constexpr int kBarEmpty = kBarFull + 8 * kStages;      // + 8 * stage
+  static constexpr int kBarEpiFull = kBarEmpty + 8 * kStages;   // + 8 * epilogue stage
   static constexpr int kBarEpiEmpty = kBarEpiFull + 8 * kEpiStages;
-  static constexpr int kRowPlan = kBarEpiEmpty + 8 * kEpiStages;  // CtaRows<kCtaTokens>
-  static constexpr int kSeen = kRowPlan + 16 * kCtaTokens;        // i32 [2][kCtaTokens], epilogue's
+  static constexpr int kRowPlan = kBarEpiEmpty + 8 * kEpiStages;        // CtaRows [kQBuffers]
+  static constexpr int kSeen = kRowPlan + kQBuffers * 16 * kCtaTokens;  // i32 [2][kCtaTokens]
   static constexpr int kSmemBytes = kSeen + 8 * kCtaTokens;
   static_assert(kKeysOff % 1024 == 0 && kTileBytes % 1024 == 0);
   static_assert(kEpiStages >= 2 && kSmemBytes - kGate <= kSmallBytes);
@@ -182,27 +192,27 @@ __device__ __forceinline__ bool cta_segment(const CtaRows<kRows>& rows, int seg,
   return false;
 }
 
-// CTAs per row group over the key tiles. One CTA is resident per SM, and each costs about
-// kCtaOverheadTiles tiles' time beyond its own tiles (staging its queries, waiting for its first
-// gathered tile, draining at its end; measured on the H200, docs/perf.md). The count chosen
-// minimizes the grid's time as whole waves of `sms` CTAs, each wave as long as a CTA over
-// ceil(max_tiles / splits) tiles plus that overhead; ties go to fewer splits. A split pays only
-// where the row groups alone leave SMs idle (a short chunk of rows, the driver's narrow row
+// Work items per row group over the key tiles. The persistent grid has one CTA per SM, and
+// each item costs about kItemOverheadTiles tiles' time beyond its own tiles (its row plan and
+// queries, its segments' first gathered tiles; measured on the H200, docs/perf.md). The count
+// chosen minimizes the grid's time as whole rounds of `sms` items, each round as long as an item
+// over ceil(max_tiles / splits) tiles plus that overhead; ties go to fewer splits. A split pays
+// only where the row groups alone leave SMs idle (a short chunk of rows, the driver's narrow row
 // blocks of a long prompt).
 inline int indexer_logits_key_splits(int64_t groups, int64_t max_tiles, int sms) {
-  constexpr int64_t kCtaOverheadTiles = 14, kMostSplits = 64;
+  constexpr int64_t kItemOverheadTiles = 9, kMostSplits = 64;
   int best = 1;
   int64_t best_cost = INT64_MAX;
   for (int64_t splits = 1; splits <= std::min(max_tiles, kMostSplits); ++splits) {
-    const int64_t waves = (groups * splits + sms - 1) / sms;
-    const int64_t cost = waves * ((max_tiles + splits - 1) / splits + kCtaOverheadTiles);
+    const int64_t rounds = (groups * splits + sms - 1) / sms;
+    const int64_t cost = rounds * ((max_tiles + splits - 1) / splits + kItemOverheadTiles);
     if (cost < best_cost) best = int(splits), best_cost = cost;
   }
   return best;
 }
 
-// The named barrier of the finishers' kFinishers threads (0 is __syncthreads).
-constexpr int kFinisherBarrier = 1;
+// Named barriers (0 is __syncthreads): the finishers' kFinishers threads, the producers'.
+constexpr int kFinisherBarrier = 1, kProducerBarrier = 2;
 
 template <int kHeads, LogitsOperands kOps>
 __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
@@ -210,41 +220,59 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   using C = LogitsConfig<kHeads, kOps>;
   extern __shared__ __align__(1024) uint8_t smem[];
   const uint32_t base = smem_addr(smem);
-  const uint32_t bar_q = base + C::kBarQ;
+  const auto bar_q_full = [&](int b) { return base + C::kBarQFull + 8 * b; };
+  const auto bar_q_empty = [&](int b) { return base + C::kBarQEmpty + 8 * b; };
   const auto bar_full = [&](int s) { return base + C::kBarFull + 8 * s; };
   const auto bar_empty = [&](int s) { return base + C::kBarEmpty + 8 * s; };
   const auto bar_epi_full = [&](int s) { return base + C::kBarEpiFull + 8 * s; };
   const auto bar_epi_empty = [&](int s) { return base + C::kBarEpiEmpty + 8 * s; };
-  float* gate_s = reinterpret_cast<float*>(smem + C::kGate);
   float* scale_s = reinterpret_cast<float*>(smem + C::kScale);
   uint8_t* valid_s = smem + C::kValid;
+  using Rows = CtaRows<C::kCtaTokens>;
+  // Query buffer b's rows and gates.
+  const auto rows_of = [&](int b) -> Rows& {
+    return reinterpret_cast<Rows*>(smem + C::kRowPlan)[b];
+  };
+  const auto gates_of = [&](int b) {
+    return reinterpret_cast<float*>(smem + C::kGate) + b * C::kCtaRows;
+  };
 
-  // CTA b takes row group groups − 1 − b / splits (last to first: later rows of a prefill see
-  // longer contexts, so the long CTAs start first) and part b % splits of each segment's tiles.
+  // Work items w = 0 .. groups · splits − 1: row group groups − 1 − w / splits (last to first:
+  // later rows of a prefill see longer contexts, so the long items go first) and part w % splits
+  // of each segment's tiles. The grid is persistent: round r gives CTA b item r · G + b, or
+  // r · G + G − 1 − b in odd rounds (G = gridDim.x), so a CTA's long and short items balance.
+  // Every role walks the same items; item k of a CTA uses query buffer k % kQBuffers.
   const int64_t num_rows = p.row_end - p.row_begin;
   const int64_t groups = (num_rows + C::kCtaTokens - 1) / C::kCtaTokens;
-  const int splits = key_splits, split = int(blockIdx.x % unsigned(key_splits));
-  const int64_t row0 = (groups - 1 - int64_t(blockIdx.x / unsigned(key_splits))) * C::kCtaTokens;
-  // This CTA's tiles [begin, end) of a segment whose rows see at most `limit` positions.
-  const auto split_tiles = [&](int64_t limit, int64_t& begin, int64_t& end) {
+  const int splits = key_splits;
+  const int64_t items = groups * splits;
+  struct Item {
+    int64_t row0;  // first batch row (relative to row_begin) of the row group
+    int split;
+  };
+  // Item k of this CTA, false past its last.
+  const auto item_of = [&](int k, Item& it) {
+    const int64_t g = gridDim.x, b = blockIdx.x;
+    const int64_t w = int64_t(k) * g + (k % 2 == 0 ? b : g - 1 - b);
+    it.row0 = (groups - 1 - w / splits) * C::kCtaTokens;
+    it.split = int(w % splits);
+    return w < items;
+  };
+  // A work item's tiles [begin, end) of a segment whose rows see at most `limit` positions.
+  const auto split_tiles = [&](int split, int64_t limit, int64_t& begin, int64_t& end) {
     const int64_t tiles = (limit + C::kKeys - 1) / C::kKeys, per = (tiles + splits - 1) / splits;
     begin = min(tiles, split * per);
     end = min(tiles, begin + per);
   };
 
-  CtaRows<C::kCtaTokens>& rows = *reinterpret_cast<CtaRows<C::kCtaTokens>*>(smem + C::kRowPlan);
-  if (threadIdx.x < C::kCtaTokens) {
-    const int r = threadIdx.x;
-    const int64_t out_row = row0 + r, t = p.row_begin + out_row;
-    const bool in_batch = out_row < num_rows;
-    const int64_t ctx = in_batch ? min(max(int64_t(p.ctx_len[t]), int64_t(0)), p.width) : -1;
-    rows.ctx[r] = ctx > p.skip_ctx_at_most ? ctx : -1;
-    rows.start[r] = in_batch ? int64_t(p.kv_start[t]) : 0;
-  }
   if (threadIdx.x == 0) {
     // The producer's arrivals, and with kE4m3 its cp.async completions.
     constexpr uint32_t kFullArrivals = (C::kF16 ? 1 : 2) * C::kProducers;
-    sm90::mbarrier_init(bar_q, kFullArrivals);
+    for (int b = 0; b < C::kQBuffers; ++b) {
+      sm90::mbarrier_init(bar_q_full(b), kFullArrivals);
+      // Consumers and finishers, once done with the buffer's item (its rows, queries, gates).
+      sm90::mbarrier_init(bar_q_empty(b), C::kConsumers * 128 + C::kFinishers);
+    }
     for (int s = 0; s < C::kStages; ++s) {
       sm90::mbarrier_init(bar_full(s), kFullArrivals);
       // The consumers once their wgmmas have read the keys, the epilogue once it has the
@@ -258,9 +286,6 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     sm90::fence_barrier_init();
   }
   __syncthreads();
-  bool any = false;
-  for (int r = 0; r < C::kCtaTokens; ++r) any |= rows.ctx[r] >= 0;
-  if (!any) return;  // block-uniform: every row is the identity or past the batch
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   // Threads [128 kConsumers, + kProducers) stage the tiles (produce), the next kFinishers
@@ -276,26 +301,46 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       sm90::st_shared_u32x4(tile + C::chunk_offset(rows, n, 2 * chunk + 1),
                             e4m3x8_to_f16(make_uint2(codes.z, codes.w)));
     };
-    // Queries and gates of the computed rows (zero elsewhere: their columns are never stored).
-    for (int i = ptid; i < C::kCtaRows * C::kChunks; i += C::kProducers) {
-      const int n = i / C::kChunks, chunk = i % C::kChunks, r = n / kHeads, h = n % kHeads;
-      const bool ok = rows.ctx[r] >= 0;
-      const uint8_t* src =
-          ok ? p.q8 + ((p.row_begin + row0 + r) * kHeads + h) * C::kDim + 16 * chunk : p.q8;
+    // Item k's rows, queries and gates into query buffer b (zero queries and gates for rows not
+    // computed: their columns are never stored), once the buffer's previous item is done.
+    const auto stage_queries = [&](int k, int b, const Item& it) {
+      sm90::mbarrier_wait(bar_q_empty(b), ((k / C::kQBuffers) & 1) ^ 1);
+      // Every producer thread is past the previous item (kQBuffers == 1: the same rows).
+      sm90::named_barrier_sync(kProducerBarrier, C::kProducers);
+      Rows& rows = rows_of(b);
+      if (ptid < C::kCtaTokens) {
+        const int64_t out_row = it.row0 + ptid, t = p.row_begin + out_row;
+        const bool in_batch = out_row < num_rows;
+        const int64_t ctx = in_batch ? min(max(int64_t(p.ctx_len[t]), int64_t(0)), p.width) : -1;
+        rows.ctx[ptid] = ctx > p.skip_ctx_at_most ? ctx : -1;
+        rows.start[ptid] = in_batch ? int64_t(p.kv_start[t]) : 0;
+      }
+      sm90::named_barrier_sync(kProducerBarrier, C::kProducers);
+      bool any = false;  // an item of identity rows only computes nothing: no queries to stage
+      for (int r = 0; r < C::kCtaTokens; ++r) any |= rows.ctx[r] >= 0;
+      const uint32_t q_tile = base + C::kQ + b * C::kQBytes;
+      for (int i = any ? ptid : C::kCtaRows * C::kChunks; i < C::kCtaRows * C::kChunks;
+           i += C::kProducers) {
+        const int n = i / C::kChunks, chunk = i % C::kChunks, r = n / kHeads, h = n % kHeads;
+        const bool ok = rows.ctx[r] >= 0;
+        const uint8_t* src =
+            ok ? p.q8 + ((p.row_begin + it.row0 + r) * kHeads + h) * C::kDim + 16 * chunk : p.q8;
+        if constexpr (C::kF16)
+          store_f16(q_tile, C::kCtaRows, n, chunk, sm90::ld_global_nc_u32x4(src, ok));
+        else
+          sm90::cp_async_16_prefetch(q_tile + sm90::swizzled_chunk(n, chunk), src, ok);
+      }
+      float* gates = gates_of(b);
+      for (int n = any ? ptid : C::kCtaRows; n < C::kCtaRows; n += C::kProducers) {
+        const int r = n / kHeads, h = n % kHeads;
+        gates[n] = rows.ctx[r] >= 0 ? p.gate[(p.row_begin + it.row0 + r) * kHeads + h] : 0.f;
+      }
       if constexpr (C::kF16)
-        store_f16(base + C::kQ, C::kCtaRows, n, chunk, sm90::ld_global_nc_u32x4(src, ok));
+        sm90::fence_proxy_async_shared();
       else
-        sm90::cp_async_16_prefetch(base + C::kQ + sm90::swizzled_chunk(n, chunk), src, ok);
-    }
-    for (int n = ptid; n < C::kCtaRows; n += C::kProducers) {
-      const int r = n / kHeads, h = n % kHeads;
-      gate_s[n] = rows.ctx[r] >= 0 ? p.gate[(p.row_begin + row0 + r) * kHeads + h] : 0.f;
-    }
-    if constexpr (C::kF16)
-      sm90::fence_proxy_async_shared();
-    else
-      sm90::cp_async_mbarrier_arrive(bar_q);
-    sm90::mbarrier_arrive(bar_q);
+        sm90::cp_async_mbarrier_arrive(bar_q_full(b));
+      sm90::mbarrier_arrive(bar_q_full(b));
+    };
 
     // Key tiles of every segment, in the order the consumers take them. Thread ptid stages row
     // ptid / kPerRow of a tile, chunks [kRowChunks (ptid % kPerRow), + kRowChunks) of its codes,
@@ -311,51 +356,58 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       if (pos < limit && j >= 0 && j < p.n_kv) loc = __ldg(p.kv_locs + j);
       return loc >= 0 && loc < p.num_locations ? loc : -1;
     };
-    int n = 0;  // tiles staged so far (all segments)
-    int64_t start, limit;
-    for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
-      int64_t begin, end;
-      split_tiles(limit, begin, end);
-      const int tile_end = int(end);
-      int32_t next = begin < end ? location(start, int(limit), int(begin) * C::kKeys) : -1;
-      for (int i = int(begin); i < tile_end; ++i, ++n) {
-        const int32_t loc = next;
-        if (i + 1 < tile_end) next = location(start, int(limit), (i + 1) * C::kKeys);
-        const int stage = n % C::kStages;
-        const bool ok = loc >= 0;
-        const int32_t page = ok ? loc / p.page_size : 0, slot = ok ? loc - page * p.page_size : 0;
-        const uint8_t* page_base = p.key_pages + page * page_bytes;
-        const uint8_t* codes = page_base + int64_t(slot) * C::kDim;
-        const float* scale =
-            reinterpret_cast<const float*>(page_base + int64_t(p.page_size) * C::kDim) + slot;
-        const uint32_t tile = base + C::kKeysOff + stage * C::kTileBytes;
-        if constexpr (C::kF16) {
-          // This thread's codes and the row's scale in flight before the wait for the stage.
-          uint4 held[kRowChunks];
+    int n = 0;  // tiles staged so far (all items and segments)
+    Item it;
+    for (int k = 0; item_of(k, it); ++k) {
+      const int b = k % C::kQBuffers;
+      stage_queries(k, b, it);
+      const Rows& rows = rows_of(b);
+      int64_t start, limit;
+      for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
+        int64_t begin, end;
+        split_tiles(it.split, limit, begin, end);
+        const int tile_end = int(end);
+        int32_t next = begin < end ? location(start, int(limit), int(begin) * C::kKeys) : -1;
+        for (int i = int(begin); i < tile_end; ++i, ++n) {
+          const int32_t loc = next;
+          if (i + 1 < tile_end) next = location(start, int(limit), (i + 1) * C::kKeys);
+          const int stage = n % C::kStages;
+          const bool ok = loc >= 0;
+          const int32_t page = ok ? loc / p.page_size : 0, slot = ok ? loc - page * p.page_size : 0;
+          const uint8_t* page_base = p.key_pages + page * page_bytes;
+          const uint8_t* codes = page_base + int64_t(slot) * C::kDim;
+          const float* scale =
+              reinterpret_cast<const float*>(page_base + int64_t(p.page_size) * C::kDim) + slot;
+          const uint32_t tile = base + C::kKeysOff + stage * C::kTileBytes;
+          if constexpr (C::kF16) {
+            // This thread's codes and the row's scale in flight before the wait for the stage.
+            uint4 held[kRowChunks];
 #pragma unroll
-          for (int c = 0; c < kRowChunks; ++c)
-            held[c] = sm90::ld_global_nc_u32x4(codes + 16 * (chunk0 + c), ok);
-          const float row_scale = ok && chunk0 == 0 ? __ldg(scale) : 0.f;
-          sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
+            for (int c = 0; c < kRowChunks; ++c)
+              held[c] = sm90::ld_global_nc_u32x4(codes + 16 * (chunk0 + c), ok);
+            const float row_scale = ok && chunk0 == 0 ? __ldg(scale) : 0.f;
+            sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
 #pragma unroll
-          for (int c = 0; c < kRowChunks; ++c) store_f16(tile, C::kKeys, row, chunk0 + c, held[c]);
-          if (chunk0 == 0) {
-            scale_s[stage * C::kKeys + row] = row_scale;
-            valid_s[stage * C::kKeys + row] = ok;
+            for (int c = 0; c < kRowChunks; ++c)
+              store_f16(tile, C::kKeys, row, chunk0 + c, held[c]);
+            if (chunk0 == 0) {
+              scale_s[stage * C::kKeys + row] = row_scale;
+              valid_s[stage * C::kKeys + row] = ok;
+            }
+            sm90::fence_proxy_async_shared();
+          } else {
+            sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
+#pragma unroll
+            for (int c = chunk0; c < chunk0 + kRowChunks; ++c)
+              sm90::cp_async_16_prefetch(tile + sm90::swizzled_chunk(row, c), codes + 16 * c, ok);
+            if (chunk0 == 0) {
+              sm90::cp_async_small<4>(base + C::kScale + 4 * (stage * C::kKeys + row), scale, ok);
+              valid_s[stage * C::kKeys + row] = ok;
+            }
+            sm90::cp_async_mbarrier_arrive(bar_full(stage));
           }
-          sm90::fence_proxy_async_shared();
-        } else {
-          sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
-#pragma unroll
-          for (int c = chunk0; c < chunk0 + kRowChunks; ++c)
-            sm90::cp_async_16_prefetch(tile + sm90::swizzled_chunk(row, c), codes + 16 * c, ok);
-          if (chunk0 == 0) {
-            sm90::cp_async_small<4>(base + C::kScale + 4 * (stage * C::kKeys + row), scale, ok);
-            valid_s[stage * C::kKeys + row] = ok;
-          }
-          sm90::cp_async_mbarrier_arrive(bar_full(stage));
+          sm90::mbarrier_arrive(bar_full(stage));
         }
-        sm90::mbarrier_arrive(bar_full(stage));
       }
     }
     cp_async_wait<0>();
@@ -372,47 +424,58 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     // tok0 is 0 whenever kTokStep is 1 (etid < kFinishers); spelled out so the token loop's
     // indices are compile-time there.
     const int key = etid % C::kKeys, tok0 = kTokStep == 1 ? 0 : etid / C::kKeys;
-    int n = 0;
-    int64_t start, limit;
-    for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
-      // Positions of each CTA token seen in this segment (0: not its segment), one buffer per
-      // segment parity: a thread rewrites it only after every thread passed the next segment's
-      // barrier, so after they all finished reading it.
-      int* seen = reinterpret_cast<int*>(smem + C::kSeen) + (seg % 2) * C::kCtaTokens;
-      if (etid < C::kCtaTokens) {
-        const bool in_seg = rows.ctx[etid] >= 0 && rows.start[etid] == start;
-        seen[etid] = in_seg ? int(rows.ctx[etid]) : 0;
-      }
-      sm90::named_barrier_sync(kFinisherBarrier, C::kFinishers);
-      int64_t begin, end;
-      split_tiles(limit, begin, end);
-      for (int i = int(begin); i < int(end); ++i, ++n) {
-        const int stage = n % C::kStages, epi_stage = n % C::kEpiStages;
-        sm90::mbarrier_wait(bar_epi_full(epi_stage), (n / C::kEpiStages) & 1);
-        const float scale = scale_s[stage * C::kKeys + key];
-        const bool ok = valid_s[stage * C::kKeys + key] != 0;
-        sm90::mbarrier_arrive(bar_empty(stage));
-        const float4* partials =
-            reinterpret_cast<const float4*>(smem + C::kEpi + epi_stage * C::kEpiStageBytes);
-        const int pos = i * C::kKeys + key;
-#pragma unroll
-        for (int j = 0; j < C::kCtaTokens / kTokStep; ++j) {
-          const int cr = tok0 + j * kTokStep;
-          const float4 v = partials[cr * C::kKeys + key];
-          const float sum = ((v.x + v.y) + (v.z + v.w)) * scale;
-          if (pos < seen[cr]) p.logits[(row0 + cr) * p.width + pos] = ok ? sum : -INFINITY;
+    int n = 0, segments = 0;  // tiles and segments finished so far (all items)
+    Item it;
+    for (int k = 0; item_of(k, it); ++k) {
+      const int b = k % C::kQBuffers;
+      sm90::mbarrier_wait(bar_q_full(b), (k / C::kQBuffers) & 1);
+      const Rows& rows = rows_of(b);
+      // This thread's key in the logits row of its first token; token tok0 + j kTokStep is
+      // j · token_step floats further.
+      float* const out = p.logits + (it.row0 + tok0) * p.width + key;
+      const int64_t token_step = kTokStep * p.width;
+      int64_t start, limit;
+      for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg, ++segments) {
+        // Positions of each CTA token seen in this segment (0: not its segment), one buffer per
+        // segment parity: a thread rewrites it only after every thread passed the next
+        // segment's barrier, so after they all finished reading it.
+        int* seen = reinterpret_cast<int*>(smem + C::kSeen) + (segments % 2) * C::kCtaTokens;
+        if (etid < C::kCtaTokens) {
+          const bool in_seg = rows.ctx[etid] >= 0 && rows.start[etid] == start;
+          seen[etid] = in_seg ? int(rows.ctx[etid]) : 0;
         }
-        sm90::mbarrier_arrive(bar_epi_empty(epi_stage));  // every partial read
+        sm90::named_barrier_sync(kFinisherBarrier, C::kFinishers);
+        int64_t begin, end;
+        split_tiles(it.split, limit, begin, end);
+        for (int i = int(begin); i < int(end); ++i, ++n) {
+          const int stage = n % C::kStages, epi_stage = n % C::kEpiStages;
+          sm90::mbarrier_wait(bar_epi_full(epi_stage), (n / C::kEpiStages) & 1);
+          const float scale = scale_s[stage * C::kKeys + key];
+          const bool ok = valid_s[stage * C::kKeys + key] != 0;
+          sm90::mbarrier_arrive(bar_empty(stage));
+          const float4* partials =
+              reinterpret_cast<const float4*>(smem + C::kEpi + epi_stage * C::kEpiStageBytes);
+          const int pos = i * C::kKeys + key;
+#pragma unroll
+          for (int j = 0; j < C::kCtaTokens / kTokStep; ++j) {
+            const int cr = tok0 + j * kTokStep;
+            const float4 v = partials[cr * C::kKeys + key];
+            const float sum = ((v.x + v.y) + (v.z + v.w)) * scale;
+            if (pos < seen[cr]) out[j * token_step + i * C::kKeys] = ok ? sum : -INFINITY;
+          }
+          sm90::mbarrier_arrive(bar_epi_empty(epi_stage));  // every partial read
+        }
       }
-    }
-    // fill_masked: positions [ctx, width) of the computed rows are -inf (split 0's work).
-    if (p.fill_masked && split == 0) {
-      for (int cr = 0; cr < C::kCtaTokens; ++cr) {
-        if (rows.ctx[cr] < 0) continue;
-        float* out = p.logits + (row0 + cr) * p.width;
-        for (int64_t pos = rows.ctx[cr] + etid; pos < p.width; pos += C::kFinishers)
-          out[pos] = -INFINITY;
+      // fill_masked: positions [ctx, width) of the computed rows are -inf (split 0's work).
+      if (p.fill_masked && it.split == 0) {
+        for (int cr = 0; cr < C::kCtaTokens; ++cr) {
+          if (rows.ctx[cr] < 0) continue;
+          float* out = p.logits + (it.row0 + cr) * p.width;
+          for (int64_t pos = rows.ctx[cr] + etid; pos < p.width; pos += C::kFinishers)
+            out[pos] = -INFINITY;
+        }
       }
+      sm90::mbarrier_arrive(bar_q_empty(b));
     }
   };
   if (warp >= 4 * C::kConsumers) {
@@ -442,13 +505,9 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
             q = lane % 4;
   constexpr int kT = C::kWgTokens;
   constexpr int kColBlocks = kHeads / 8;  // 8-column blocks per token
-  const uint32_t b_tile = base + C::kQ + uint32_t(wg * C::kWgCols * 128);  // its rows, atom 0
-  sm90::mbarrier_wait(bar_q, 0);
-  // This thread's gates, held for the whole CTA: columns 8 j + 2 q, + 1 of the group's 128.
+  // This thread's gates of the current item: columns 8 j + 2 q, + 1 of the group's 128.
   float2 gates[C::kWgCols / 8];
-#pragma unroll
-  for (int j = 0; j < C::kWgCols / 8; ++j)
-    gates[j] = *reinterpret_cast<const float2*>(gate_s + wg * C::kWgCols + 8 * j + 2 * q);
+  uint32_t b_tile = 0;  // the group's query rows in the current item's buffer, atom 0
 
   // S of the tile at `keys` into acc, kKSteps chained N = 128 wgmmas committed as one batch over
   // both banks' 128 columns (bank b's 32 values at [32 b, 32 b + 32)), so that each k-step reads
@@ -502,34 +561,47 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   float(&acc0)[32] = *reinterpret_cast<float(*)[32]>(acc);
   float(&acc1)[32] = *reinterpret_cast<float(*)[32]>(acc + 32);
   int n = 0;
-  int64_t start, limit;
-  for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
-    int64_t begin, end;
-    split_tiles(limit, begin, end);
-    // The tile range through shuffles as well: uniform registers count the loop.
-    const int tile_end = __shfl_sync(0xffffffffu, int(end), 0);
-    for (int i = __shfl_sync(0xffffffffu, int(begin), 0); i < tile_end; ++i, ++n) {
-      const int stage = n % C::kStages, epi_stage = n % C::kEpiStages;
-      sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
-      const uint32_t keys_tile = base + C::kKeysOff + stage * C::kTileBytes;
-      issue_chain(acc, keys_tile);
-      float* partials = reinterpret_cast<float*>(smem + C::kEpi + epi_stage * C::kEpiStageBytes);
-      sm90::mbarrier_wait(bar_epi_empty(epi_stage), ((n / C::kEpiStages) & 1) ^ 1);
-      sm90::wgmma_wait<0>();
-      sm90::fence_operands(acc);
-      sm90::mbarrier_arrive(bar_empty(stage));  // the chain has read the keys
-      partial_bank(acc0, 0, partials);
-      partial_bank(acc1, 1, partials);
-      sm90::mbarrier_arrive(bar_epi_full(epi_stage));
+  Item it;
+  for (int k = 0; item_of(k, it); ++k) {
+    const int b = k % C::kQBuffers;
+    sm90::mbarrier_wait(bar_q_full(b), (k / C::kQBuffers) & 1);
+    b_tile = base + C::kQ + uint32_t(b * C::kQBytes + wg * C::kWgCols * 128);
+    const float* gate_s = gates_of(b);
+#pragma unroll
+    for (int j = 0; j < C::kWgCols / 8; ++j)
+      gates[j] = *reinterpret_cast<const float2*>(gate_s + wg * C::kWgCols + 8 * j + 2 * q);
+    const Rows& rows = rows_of(b);
+    int64_t start, limit;
+    for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
+      int64_t begin, end;
+      split_tiles(it.split, limit, begin, end);
+      // The tile range through shuffles as well: uniform registers count the loop.
+      const int tile_end = __shfl_sync(0xffffffffu, int(end), 0);
+      for (int i = __shfl_sync(0xffffffffu, int(begin), 0); i < tile_end; ++i, ++n) {
+        const int stage = n % C::kStages, epi_stage = n % C::kEpiStages;
+        sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
+        const uint32_t keys_tile = base + C::kKeysOff + stage * C::kTileBytes;
+        issue_chain(acc, keys_tile);
+        float* partials = reinterpret_cast<float*>(smem + C::kEpi + epi_stage * C::kEpiStageBytes);
+        sm90::mbarrier_wait(bar_epi_empty(epi_stage), ((n / C::kEpiStages) & 1) ^ 1);
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(acc);
+        sm90::mbarrier_arrive(bar_empty(stage));  // the chain has read the keys
+        partial_bank(acc0, 0, partials);
+        partial_bank(acc1, 1, partials);
+        sm90::mbarrier_arrive(bar_epi_full(epi_stage));
+      }
     }
+    sm90::mbarrier_arrive(bar_q_empty(b));  // every chain of the item has read its queries
   }
 }
 
 // Launch for H_i = kHeads with kOps operands; cudaErrorInvalidConfiguration when
 // indexer_logits_sm90_accepts() does not hold (the caller checks it first and runs another kernel).
-// key_splits: CTAs per row group, each over a contiguous part of the key tiles (every position is
-// still written by one CTA, with the same sums: the logits do not depend on it); 0 lets
-// indexer_logits_key_splits choose for a device of `sms` streaming multiprocessors.
+// key_splits: work items per row group, each over a contiguous part of the key tiles (every
+// position is still written by one item, with the same sums: the logits do not depend on it); 0
+// lets indexer_logits_key_splits choose for a device of `sms` streaming multiprocessors. The grid
+// is min(items, sms) CTAs (the logits do not depend on it either).
 template <int kHeads, LogitsOperands kOps>
 cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits, int sms,
                                     cudaStream_t stream) {
@@ -547,7 +619,9 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (status != cudaSuccess) return status;
-  kernel<<<unsigned(groups * splits), C::kThreads, C::kSmemBytes, stream>>>(p, splits);
+  // Persistent: one CTA per SM (the one resident), each over its items.
+  const int64_t ctas = std::min<int64_t>(groups * splits, sms);
+  kernel<<<unsigned(ctas), C::kThreads, C::kSmemBytes, stream>>>(p, splits);
   return cudaGetLastError();
 }
 
