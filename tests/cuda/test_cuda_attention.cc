@@ -914,5 +914,38 @@ TEST_F(CudaDenseMha, UnsupportedHeadDimsAreRejected) {
   }
 }
 
+// A malformed DSAKIT_DENSE_HEAD_GROUP is an argument error naming the variable, before any
+// launch: o keeps its poison.
+TEST_F(CudaDenseMha, MalformedHeadGroupIsRejectedNamingTheVariable) {
+  constexpr int kT = 4, kH = 2, kNope = 128, kDr = 64, kDv = 128;
+  Tensor q_nope = poisoned(DType::kBF16, {kT, kH, kNope});
+  Tensor q_pe = poisoned(DType::kBF16, {kT, kH, kDr});
+  Tensor k_nope = poisoned(DType::kBF16, {kT, kH, kNope});
+  Tensor k_pe = poisoned(DType::kBF16, {kT, kDr});
+  Tensor v = poisoned(DType::kBF16, {kT, kH, kDv});
+  const std::vector<int32_t> cu{0, kT};
+  Tensor cu_d = to_dev(host_i32(cu));
+  Tensor o = poisoned(DType::kBF16, {kT, kH, kDv});
+  Tensor lse = poisoned(DType::kF32, {kT, kH});
+  DenseMhaArgs a = dense_args(q_nope, q_pe, k_nope, k_pe, v, cu_d, cu_d, cu, cu, 0.1);
+  a.o = o.view();
+  a.lse = lse.view();
+  const Tensor before = backend_->to_host(o.view());
+  for (const char* bad : {"0", "-3", "two", "4x"}) {
+    SCOPED_TRACE(bad);
+    const KernelScope group("DSAKIT_DENSE_HEAD_GROUP", bad);
+    try {
+      backend_->dense_mha(a);
+      ADD_FAILURE() << "expected Error(kInvalidArgument)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("DSAKIT_DENSE_HEAD_GROUP"), std::string::npos)
+          << e.what();
+    }
+    const Tensor after = backend_->to_host(o.view());
+    EXPECT_EQ(std::memcmp(after.ptr<uint8_t>(), before.ptr<uint8_t>(), before.nbytes()), 0);
+  }
+}
+
 }  // namespace
 }  // namespace dsakit
