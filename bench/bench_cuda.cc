@@ -509,8 +509,8 @@ std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int6
                         be, [&](int) { be.indexer_logits(a, 0, t, logits, o); }, runs),
                     2.0 * hi * di * pairs, 0});
   }
-  // The e4m3 wgmma kernel over fixed key splits (CTAs per row group; the rows above choose by
-  // indexer_logits_key_splits): what the split costs or saves at this length.
+  // The e4m3 wgmma kernel over fixed key splits (work items per row group; the rows above choose
+  // by indexer_logits_key_splits): what the split costs or saves at this length.
   be.options().indexer_kernel = cuda::IndexerKernel::kWgmma;
   for (int splits : {1, 2, 3, 4, 6}) {
     be.options().indexer_key_splits = splits;
@@ -519,6 +519,15 @@ std::vector<Row> bench_indexer(cuda::CudaBackend& be, const ModelConfig& c, int6
                         be, [&](int) { be.indexer_logits(a, 0, t, logits, o); }, runs),
                     2.0 * hi * di * pairs, 0});
   }
+  be.options().indexer_key_splits = 0;
+  // Every row of the prompt, identity rows included: the problem DeepGEMM's fp8_mqa_logits was
+  // timed on (docs/perf.md), FLOPs over all T (T + 1) / 2 pairs.
+  IndexerLogitsOptions all_rows = o;
+  all_rows.skip_ctx_at_most = -1;
+  rows.push_back({shape, "logits_wgmma all rows",
+                  time_ms(
+                      be, [&](int) { be.indexer_logits(a, 0, t, logits, all_rows); }, runs),
+                  2.0 * hi * di * (double(t) * double(t + 1) / 2), 0});
   be.options() = previous;  // host_value_checks stays off
   Tensor top = be.empty(DType::kI32, {t, k});
   // Each block size of the top-k kernel, then its choice by width ("topk").
