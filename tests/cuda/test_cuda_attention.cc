@@ -712,7 +712,32 @@ DenseMhaArgs dense_args(const Tensor& q_nope, const Tensor& q_pe, const Tensor& 
   return a;
 }
 
-class CudaDenseMha : public CudaAttention {};
+class CudaDenseMha : public CudaAttention {
+ protected:
+  // One 4-token request of 2 heads, every tensor poisoned: the argument checks' input.
+  struct SmallCall {
+    Tensor q_nope, q_pe, k_nope, k_pe, v, cu_d, o, lse;
+    std::vector<int32_t> cu;
+    DenseMhaArgs args;
+  };
+  SmallCall small_call(int d_nope, int d_v) {
+    constexpr int kT = 4, kH = 2, kDr = 64;
+    SmallCall c;
+    c.q_nope = poisoned(DType::kBF16, {kT, kH, d_nope});
+    c.q_pe = poisoned(DType::kBF16, {kT, kH, kDr});
+    c.k_nope = poisoned(DType::kBF16, {kT, kH, d_nope});
+    c.k_pe = poisoned(DType::kBF16, {kT, kDr});
+    c.v = poisoned(DType::kBF16, {kT, kH, d_v});
+    c.cu = {0, kT};
+    c.cu_d = to_dev(host_i32(c.cu));
+    c.o = poisoned(DType::kBF16, {kT, kH, d_v});
+    c.lse = poisoned(DType::kF32, {kT, kH});
+    c.args = dense_args(c.q_nope, c.q_pe, c.k_nope, c.k_pe, c.v, c.cu_d, c.cu_d, c.cu, c.cu, 0.1);
+    c.args.o = c.o.view();
+    c.args.lse = c.lse.view();
+    return c;
+  }
+};
 
 TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   std::vector<DenseCase> cases = {
@@ -892,19 +917,8 @@ TEST_F(CudaDenseMha, NanInALaterRequestDoesNotReachAnEarlierOne) {
 }
 
 TEST_F(CudaDenseMha, UnsupportedHeadDimsAreRejected) {
-  constexpr int kT = 4, kH = 2, kNope = 96, kDr = 64, kDv = 96;
-  Tensor q_nope = poisoned(DType::kBF16, {kT, kH, kNope});
-  Tensor q_pe = poisoned(DType::kBF16, {kT, kH, kDr});
-  Tensor k_nope = poisoned(DType::kBF16, {kT, kH, kNope});
-  Tensor k_pe = poisoned(DType::kBF16, {kT, kDr});
-  Tensor v = poisoned(DType::kBF16, {kT, kH, kDv});
-  const std::vector<int32_t> cu{0, kT};
-  Tensor cu_d = to_dev(host_i32(cu));
-  Tensor o = poisoned(DType::kBF16, {kT, kH, kDv});
-  Tensor lse = poisoned(DType::kF32, {kT, kH});
-  DenseMhaArgs a = dense_args(q_nope, q_pe, k_nope, k_pe, v, cu_d, cu_d, cu, cu, 0.1);
-  a.o = o.view();
-  a.lse = lse.view();
+  const SmallCall c = small_call(96, 96);
+  const DenseMhaArgs& a = c.args;
   try {
     backend_->dense_mha(a);
     FAIL() << "expected Error(kUnsupported) for (96, 64, 96)";
@@ -917,19 +931,9 @@ TEST_F(CudaDenseMha, UnsupportedHeadDimsAreRejected) {
 // A malformed DSAKIT_DENSE_HEAD_GROUP is an argument error naming the variable, before any
 // launch: o keeps its poison.
 TEST_F(CudaDenseMha, MalformedHeadGroupIsRejectedNamingTheVariable) {
-  constexpr int kT = 4, kH = 2, kNope = 128, kDr = 64, kDv = 128;
-  Tensor q_nope = poisoned(DType::kBF16, {kT, kH, kNope});
-  Tensor q_pe = poisoned(DType::kBF16, {kT, kH, kDr});
-  Tensor k_nope = poisoned(DType::kBF16, {kT, kH, kNope});
-  Tensor k_pe = poisoned(DType::kBF16, {kT, kDr});
-  Tensor v = poisoned(DType::kBF16, {kT, kH, kDv});
-  const std::vector<int32_t> cu{0, kT};
-  Tensor cu_d = to_dev(host_i32(cu));
-  Tensor o = poisoned(DType::kBF16, {kT, kH, kDv});
-  Tensor lse = poisoned(DType::kF32, {kT, kH});
-  DenseMhaArgs a = dense_args(q_nope, q_pe, k_nope, k_pe, v, cu_d, cu_d, cu, cu, 0.1);
-  a.o = o.view();
-  a.lse = lse.view();
+  const SmallCall c = small_call(128, 128);
+  const DenseMhaArgs& a = c.args;
+  const Tensor& o = c.o;
   const Tensor before = backend_->to_host(o.view());
   for (const char* bad : {"0", "-3", "two", "4x"}) {
     SCOPED_TRACE(bad);
