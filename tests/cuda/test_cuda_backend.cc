@@ -619,6 +619,18 @@ TEST_F(CudaBackendTest, TensorCoreLogitsMatchScalarKernelAndCpu) {
           EXPECT_EQ(got, mma_sync) << "fallback to the mma.sync kernel";
         } else if (wgmma) {
           EXPECT_NE(got, mma_sync) << "the wgmma kernel ran (its sums differ from mma.sync's)";
+          // Gates 4 bytes past a 16-byte boundary: the wgmma kernel copies them 16 bytes at a
+          // time, so the call falls back to the mma.sync kernel, whose logits these are.
+          const Tensor padded = gpu_->empty(DType::kF32, {b.tokens * h_i + 1});
+          const TensorView gate_view =
+              make_view(padded.ptr<float>() + 1, DType::kF32, Device::kCuda, {b.tokens, h_i});
+          gpu_->copy(gate_view, b.d_gate.view());
+          IndexerArgs misaligned = b.args(true);
+          misaligned.gate = gate_view;
+          const Tensor out = poisoned(DType::kF32, {b.tokens, b.width});
+          gpu_->indexer_logits(misaligned, 0, b.tokens, out);
+          EXPECT_EQ(testing::to_double(gpu_->to_host(out)), mma_sync)
+              << "gates not 16-byte aligned: the mma.sync kernel's logits";
         }
 
         // The wgmma kernel's key splits (more CTAs than tiles included), and persistent grids

@@ -266,10 +266,12 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   };
 
   if (threadIdx.x == 0) {
-    // The producer's arrivals, and with kE4m3 its cp.async completions.
+    // The producer's arrivals and its cp.async completions: a query buffer's gates (and with
+    // kE4m3 its codes) and, with kE4m3, a key stage's codes come by cp.async.
+    constexpr uint32_t kQFullArrivals = 2 * C::kProducers;
     constexpr uint32_t kFullArrivals = (C::kF16 ? 1 : 2) * C::kProducers;
     for (int b = 0; b < C::kQBuffers; ++b) {
-      sm90::mbarrier_init(bar_q_full(b), kFullArrivals);
+      sm90::mbarrier_init(bar_q_full(b), kQFullArrivals);
       // Consumers and finishers, once done with the buffer's item (its rows, queries, gates).
       sm90::mbarrier_init(bar_q_empty(b), C::kConsumers * 128 + C::kFinishers);
     }
@@ -301,44 +303,88 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       sm90::st_shared_u32x4(tile + C::chunk_offset(rows, n, 2 * chunk + 1),
                             e4m3x8_to_f16(make_uint2(codes.z, codes.w)));
     };
+    // Row r < kCtaTokens of an item as its producer thread ptid = r reads it: ctx_len and kv_start
+    // loaded one item ahead (held in registers while the current item's tiles are staged), so
+    // that stage_queries does not wait a global round trip for them.
+    struct RowAhead {
+      int32_t ctx = 0, start = 0;
+      bool in_batch = false;
+    };
+    const auto load_row = [&](const Item& it) {
+      RowAhead a;
+      const int64_t out_row = it.row0 + ptid;
+      if (ptid < C::kCtaTokens && out_row < num_rows) {
+        const int64_t t = p.row_begin + out_row;
+        a.ctx = p.ctx_len[t];
+        a.start = p.kv_start[t];
+        a.in_batch = true;
+      }
+      return a;
+    };
     // Item k's rows, queries and gates into query buffer b (zero queries and gates for rows not
-    // computed: their columns are never stored), once the buffer's previous item is done.
-    const auto stage_queries = [&](int k, int b, const Item& it) {
+    // computed: their columns are never stored), once the buffer's previous item is done. Every
+    // global read is in flight before any of its results is used: gates (and kE4m3's codes) by
+    // cp.async, kF16's codes kQLoads chunks at a time.
+    const auto stage_queries = [&](int k, int b, const Item& it, const RowAhead& ahead) {
       sm90::mbarrier_wait(bar_q_empty(b), ((k / C::kQBuffers) & 1) ^ 1);
       // Every producer thread is past the previous item (kQBuffers == 1: the same rows).
       sm90::named_barrier_sync(kProducerBarrier, C::kProducers);
       Rows& rows = rows_of(b);
       if (ptid < C::kCtaTokens) {
-        const int64_t out_row = it.row0 + ptid, t = p.row_begin + out_row;
-        const bool in_batch = out_row < num_rows;
-        const int64_t ctx = in_batch ? min(max(int64_t(p.ctx_len[t]), int64_t(0)), p.width) : -1;
+        const int64_t ctx = ahead.in_batch ? min(max(int64_t(ahead.ctx), int64_t(0)), p.width) : -1;
         rows.ctx[ptid] = ctx > p.skip_ctx_at_most ? ctx : -1;
-        rows.start[ptid] = in_batch ? int64_t(p.kv_start[t]) : 0;
+        rows.start[ptid] = ahead.in_batch ? int64_t(ahead.start) : 0;
       }
       sm90::named_barrier_sync(kProducerBarrier, C::kProducers);
       bool any = false;  // an item of identity rows only computes nothing: no queries to stage
       for (int r = 0; r < C::kCtaTokens; ++r) any |= rows.ctx[r] >= 0;
       const uint32_t q_tile = base + C::kQ + b * C::kQBytes;
-      for (int i = any ? ptid : C::kCtaRows * C::kChunks; i < C::kCtaRows * C::kChunks;
-           i += C::kProducers) {
-        const int n = i / C::kChunks, chunk = i % C::kChunks, r = n / kHeads, h = n % kHeads;
+      constexpr int kQChunks = C::kCtaRows * C::kChunks;
+      // Chunk i of the item's query codes (operand row i / kChunks, chunk i % kChunks): its
+      // source, q8 itself when it is not read (past the last chunk, or a row not computed).
+      const auto query_source = [&](int i, bool& ok) {
+        const int n = i / C::kChunks, r = n / kHeads, h = n % kHeads;
+        ok = i < kQChunks && rows.ctx[r] >= 0;
+        return ok ? p.q8 + ((p.row_begin + it.row0 + r) * kHeads + h) * C::kDim +
+                        16 * (i % C::kChunks)
+                  : p.q8;
+      };
+      if constexpr (C::kF16) {
+        constexpr int kQLoads = 4;  // chunks in flight per thread
+        for (int i0 = any ? ptid : kQChunks; i0 < kQChunks; i0 += kQLoads * C::kProducers) {
+          uint4 held[kQLoads];
+#pragma unroll
+          for (int u = 0; u < kQLoads; ++u) {
+            bool ok;
+            const uint8_t* src = query_source(i0 + u * C::kProducers, ok);
+            held[u] = sm90::ld_global_nc_u32x4(src, ok);
+          }
+#pragma unroll
+          for (int u = 0; u < kQLoads; ++u) {
+            const int i = i0 + u * C::kProducers;
+            if (i < kQChunks)
+              store_f16(q_tile, C::kCtaRows, i / C::kChunks, i % C::kChunks, held[u]);
+          }
+        }
+      } else {
+        for (int i = any ? ptid : kQChunks; i < kQChunks; i += C::kProducers) {
+          bool ok;
+          const uint8_t* src = query_source(i, ok);
+          sm90::cp_async_16_prefetch(q_tile + sm90::swizzled_chunk(i / C::kChunks, i % C::kChunks),
+                                     src, ok);
+        }
+      }
+      // Gates: 16 bytes (4 heads of one row) a chunk; the item's rows are consecutive batch
+      // rows, so its gates are one run of kCtaRows floats.
+      const uint32_t gate_dst = base + C::kGate + b * 4 * C::kCtaRows;
+      for (int j = any ? ptid : C::kCtaRows / 4; j < C::kCtaRows / 4; j += C::kProducers) {
+        const int r = 4 * j / kHeads;
         const bool ok = rows.ctx[r] >= 0;
-        const uint8_t* src =
-            ok ? p.q8 + ((p.row_begin + it.row0 + r) * kHeads + h) * C::kDim + 16 * chunk : p.q8;
-        if constexpr (C::kF16)
-          store_f16(q_tile, C::kCtaRows, n, chunk, sm90::ld_global_nc_u32x4(src, ok));
-        else
-          sm90::cp_async_16_prefetch(q_tile + sm90::swizzled_chunk(n, chunk), src, ok);
+        const float* src = ok ? p.gate + (p.row_begin + it.row0) * kHeads + 4 * j : p.gate;
+        sm90::cp_async_16_prefetch(gate_dst + 16 * j, src, ok);
       }
-      float* gates = gates_of(b);
-      for (int n = any ? ptid : C::kCtaRows; n < C::kCtaRows; n += C::kProducers) {
-        const int r = n / kHeads, h = n % kHeads;
-        gates[n] = rows.ctx[r] >= 0 ? p.gate[(p.row_begin + it.row0 + r) * kHeads + h] : 0.f;
-      }
-      if constexpr (C::kF16)
-        sm90::fence_proxy_async_shared();
-      else
-        sm90::cp_async_mbarrier_arrive(bar_q_full(b));
+      if constexpr (C::kF16) sm90::fence_proxy_async_shared();
+      sm90::cp_async_mbarrier_arrive(bar_q_full(b));
       sm90::mbarrier_arrive(bar_q_full(b));
     };
 
@@ -357,10 +403,14 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       return loc >= 0 && loc < p.num_locations ? loc : -1;
     };
     int n = 0;  // tiles staged so far (all items and segments)
-    Item it;
-    for (int k = 0; item_of(k, it); ++k) {
+    Item it, it_next;
+    bool have = item_of(0, it);
+    RowAhead ahead = have ? load_row(it) : RowAhead{};
+    for (int k = 0; have; ++k, it = it_next) {
       const int b = k % C::kQBuffers;
-      stage_queries(k, b, it);
+      stage_queries(k, b, it, ahead);
+      have = item_of(k + 1, it_next);
+      if (have) ahead = load_row(it_next);
       const Rows& rows = rows_of(b);
       int64_t start, limit;
       for (int seg = 0; cta_segment(rows, seg, start, limit); ++seg) {
