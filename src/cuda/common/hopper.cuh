@@ -119,6 +119,13 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
                : "memory");
 }
 
+// Expects `bytes` more of asynchronous transactions this phase, without arriving: each thread
+// that issues a copy counts its own bytes before issuing it.
+__device__ __forceinline__ void mbarrier_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
 // ---- TMA (tensor maps built on the host: src/cuda/common/tma.h) -----------------------------
 // One box of `tensor_map` at coordinates (c0 innermost, c1[, c2]) into shared memory at `dst`
 // (aligned as the map's swizzle requires: 1024 bytes for 128-byte swizzle); completion

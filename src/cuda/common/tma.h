@@ -21,4 +21,9 @@ cudaError_t make_tensor_map_bf16_sw128(CUtensorMap* map, const void* base, int r
                                        const uint64_t* dims, const uint64_t* strides_bytes,
                                        const uint32_t* box);
 
+// The same for bytes (e4m3 codes): box[0] must be 128.
+cudaError_t make_tensor_map_u8_sw128(CUtensorMap* map, const void* base, int rank,
+                                     const uint64_t* dims, const uint64_t* strides_bytes,
+                                     const uint32_t* box);
+
 }  // namespace dsakit::cuda

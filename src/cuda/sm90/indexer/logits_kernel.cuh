@@ -27,11 +27,11 @@
 //     edge; the other groups' wgmmas fill the tensor pipe meanwhile.
 //   producers (kProducers threads): per item its rows (CtaRows), query codes and gates into a
 //     query buffer (kE4m3 has two: the next item's queries load while the current one computes;
-//     an item of identity rows stages none), then the key rows of every 64-key tile of positions
-//     [0, context) gathered by location into a kStages ring that runs on across items,
-//     with each row's scale and a valid flag: kE4m3 by cp.async (16 B, completing on the
-//     stage's mbarrier); kF16 by 16-byte register loads issued before the wait for the stage,
-//     widened and stored after it (st.shared, then a proxy fence before the arrive).
+//     an item of identity rows stages none; kE4m3's codes by TMA, the gates by cp.async), then the
+//     key rows of every 64-key tile of positions [0, context) gathered by location into a kStages
+//     ring that runs on across items, with each row's scale and a valid flag: kE4m3 by cp.async (16
+//     B, completing on the stage's mbarrier); kF16 by 16-byte register loads issued before the wait
+//     for the stage, widened and stored after it (st.shared, then a proxy fence before the arrive).
 //   finishers (kFinishers threads, the epilogue): per tile, the 4 lanes' partials of each
 //     (token, key) summed, scaled, masked to the token's segment and stored, 128 bytes per
 //     warp and token; they release the key stage (its scales) and the epilogue stage.
@@ -64,6 +64,7 @@
 // (positions and tile counts are 32-bit).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -71,6 +72,7 @@
 
 #include "src/cuda/common/device_utils.cuh"
 #include "src/cuda/common/hopper.cuh"
+#include "src/cuda/common/tma.h"
 #include "src/cuda/indexer/indexer_kernels.h"
 
 namespace dsakit::cuda::indexer_sm90 {
@@ -156,6 +158,12 @@ struct LogitsConfig {
   }
 };
 
+// kE4m3's tensor map of the query codes, bytes, 128-byte swizzled (kF16 widens the codes in
+// registers and leaves it unset).
+struct LogitsMaps {
+  CUtensorMap q8;  // [row_end * h_i rows][128 B] boxes of [256 rows][128 B]
+};
+
 // ReLU that keeps NaN (max.NaN): a NaN score stays NaN, as in the other logits kernels.
 __device__ __forceinline__ float relu_nan(float x) {
   float y;
@@ -216,7 +224,8 @@ constexpr int kFinisherBarrier = 1, kProducerBarrier = 2;
 
 template <int kHeads, LogitsOperands kOps>
 __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
-    indexer_logits_sm90_kernel(const __grid_constant__ IndexerLogitsParams p, int key_splits) {
+    indexer_logits_sm90_kernel(const __grid_constant__ IndexerLogitsParams p,
+                               const __grid_constant__ LogitsMaps maps, int key_splits) {
   using C = LogitsConfig<kHeads, kOps>;
   extern __shared__ __align__(1024) uint8_t smem[];
   const uint32_t base = smem_addr(smem);
@@ -266,8 +275,8 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   };
 
   if (threadIdx.x == 0) {
-    // The producer's arrivals and its cp.async completions: a query buffer's gates (and with
-    // kE4m3 its codes) and, with kE4m3, a key stage's codes come by cp.async.
+    // The producer's arrivals and its cp.async completions: a query buffer's gates and, with
+    // kE4m3, a key stage's codes come by cp.async (kE4m3's query codes by TMA, counted in bytes).
     constexpr uint32_t kQFullArrivals = 2 * C::kProducers;
     constexpr uint32_t kFullArrivals = (C::kF16 ? 1 : 2) * C::kProducers;
     for (int b = 0; b < C::kQBuffers; ++b) {
@@ -323,7 +332,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     };
     // Item k's rows, queries and gates into query buffer b (zero queries and gates for rows not
     // computed: their columns are never stored), once the buffer's previous item is done. Every
-    // global read is in flight before any of its results is used: gates (and kE4m3's codes) by
+    // global read is in flight before any of its results is used: kE4m3's codes by TMA, gates by
     // cp.async, kF16's codes kQLoads chunks at a time.
     const auto stage_queries = [&](int k, int b, const Item& it, const RowAhead& ahead) {
       sm90::mbarrier_wait(bar_q_empty(b), ((k / C::kQBuffers) & 1) ^ 1);
@@ -339,17 +348,17 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       bool any = false;  // an item of identity rows only computes nothing: no queries to stage
       for (int r = 0; r < C::kCtaTokens; ++r) any |= rows.ctx[r] >= 0;
       const uint32_t q_tile = base + C::kQ + b * C::kQBytes;
-      constexpr int kQChunks = C::kCtaRows * C::kChunks;
-      // Chunk i of the item's query codes (operand row i / kChunks, chunk i % kChunks): its
-      // source, q8 itself when it is not read (past the last chunk, or a row not computed).
-      const auto query_source = [&](int i, bool& ok) {
-        const int n = i / C::kChunks, r = n / kHeads, h = n % kHeads;
-        ok = i < kQChunks && rows.ctx[r] >= 0;
-        return ok ? p.q8 + ((p.row_begin + it.row0 + r) * kHeads + h) * C::kDim +
-                        16 * (i % C::kChunks)
-                  : p.q8;
-      };
       if constexpr (C::kF16) {
+        constexpr int kQChunks = C::kCtaRows * C::kChunks;
+        // Chunk i of the item's query codes (operand row i / kChunks, chunk i % kChunks): its
+        // source, q8 itself when it is not read (past the last chunk, or a row not computed).
+        const auto query_source = [&](int i, bool& ok) {
+          const int n = i / C::kChunks, r = n / kHeads, h = n % kHeads;
+          ok = i < kQChunks && rows.ctx[r] >= 0;
+          return ok ? p.q8 + ((p.row_begin + it.row0 + r) * kHeads + h) * C::kDim +
+                          16 * (i % C::kChunks)
+                    : p.q8;
+        };
         constexpr int kQLoads = 4;  // chunks in flight per thread
         for (int i0 = any ? ptid : kQChunks; i0 < kQChunks; i0 += kQLoads * C::kProducers) {
           uint4 held[kQLoads];
@@ -366,13 +375,16 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
               store_f16(q_tile, C::kCtaRows, i / C::kChunks, i % C::kChunks, held[u]);
           }
         }
-      } else {
-        for (int i = any ? ptid : kQChunks; i < kQChunks; i += C::kProducers) {
-          bool ok;
-          const uint8_t* src = query_source(i, ok);
-          sm90::cp_async_16_prefetch(q_tile + sm90::swizzled_chunk(i / C::kChunks, i % C::kChunks),
-                                     src, ok);
-        }
+      } else if (any && ptid == 0) {
+        // The item's kCtaRows operand rows are consecutive rows of q8 [T * h_i][128 B]: two TMA
+        // boxes of 256 rows, swizzled as the wgmma reads them (rows past the batch arrive as
+        // zeros; rows not computed are loaded and never stored).
+        static_assert(C::kCtaRows % 256 == 0 && C::kQBytes < (1 << 20));
+        sm90::mbarrier_expect_tx(bar_q_full(b), C::kQBytes);
+        const int q_row0 = int((p.row_begin + it.row0) * kHeads);
+#pragma unroll
+        for (int j = 0; j < C::kCtaRows / 256; ++j)
+          sm90::tma_load_2d(q_tile + j * 256 * 128, &maps.q8, bar_q_full(b), 0, q_row0 + 256 * j);
       }
       // Gates: 16 bytes (4 heads of one row) a chunk; the item's rows are consecutive batch
       // rows, so its gates are one run of kCtaRows floats.
@@ -665,13 +677,21 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
       key_splits > 0 ? key_splits
                      : indexer_logits_key_splits(groups, (p.width + C::kKeys - 1) / C::kKeys, sms);
   if (groups * splits > INT32_MAX) return cudaErrorInvalidValue;
+  LogitsMaps maps{};
+  if constexpr (!C::kF16) {
+    const uint64_t q_dims[2] = {128, uint64_t(p.row_end) * kHeads}, q_strides[1] = {128};
+    const uint32_t q_box[2] = {128, 256};
+    const cudaError_t status =
+        make_tensor_map_u8_sw128(&maps.q8, p.q8, 2, q_dims, q_strides, q_box);
+    if (status != cudaSuccess) return status;
+  }
   auto* kernel = &indexer_logits_sm90_kernel<kHeads, kOps>;
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (status != cudaSuccess) return status;
   // Persistent: one CTA per SM (the one resident), each over its items.
   const int64_t ctas = std::min<int64_t>(groups * splits, sms);
-  kernel<<<unsigned(ctas), C::kThreads, C::kSmemBytes, stream>>>(p, splits);
+  kernel<<<unsigned(ctas), C::kThreads, C::kSmemBytes, stream>>>(p, maps, splits);
   return cudaGetLastError();
 }
 
