@@ -101,11 +101,12 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
 
 // The kernel's invariants: d_i = 128, page_size % 4 == 0 (every key row 16-byte aligned),
 // 16-byte aligned key pages, query codes and gates (it copies them 16 bytes at a time),
-// positions and query code rows (row_end * h_i) below 2^31 (it counts them in 32 bits, as the
-// query tensor map's coordinates are).
+// positions below 2^31 (it counts them in 32 bits), and query code rows (row_end * h_i, and a
+// 256-row box past them) below 2^31: the query tensor map's coordinates are 32-bit.
 inline bool indexer_logits_sm90_accepts(const IndexerLogitsParams& p) {
   return p.d_i == 128 && p.page_size > 0 && p.page_size % 4 == 0 && p.width <= INT32_MAX &&
-         p.row_end <= INT32_MAX / 256 && reinterpret_cast<uintptr_t>(p.key_pages) % 16 == 0 &&
+         p.row_end * p.h_i + 256 <= INT32_MAX &&
+         reinterpret_cast<uintptr_t>(p.key_pages) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.q8) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.gate) % 16 == 0;
 }

@@ -330,10 +330,11 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       }
       return a;
     };
-    // Item k's rows, queries and gates into query buffer b (zero queries and gates for rows not
-    // computed: their columns are never stored), once the buffer's previous item is done. Every
-    // global read is in flight before any of its results is used: kE4m3's codes by TMA, gates by
-    // cp.async, kF16's codes kQLoads chunks at a time.
+    // Item k's rows, queries and gates into query buffer b, once the buffer's previous item is
+    // done. Rows not computed get zero gates (and kF16 zero codes; kE4m3 loads their codes with
+    // the others): their columns are never stored. Every global read is in flight before any of
+    // its results is used: kE4m3's codes by TMA, gates by cp.async, kF16's codes kQLoads chunks
+    // at a time.
     const auto stage_queries = [&](int k, int b, const Item& it, const RowAhead& ahead) {
       sm90::mbarrier_wait(bar_q_empty(b), ((k / C::kQBuffers) & 1) ^ 1);
       // Every producer thread is past the previous item (kQBuffers == 1: the same rows).
