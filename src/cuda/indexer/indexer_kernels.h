@@ -45,6 +45,7 @@ struct IndexerLogitsParams {
   // Write -inf at positions [ctx_len, width) of computed rows (the indexer_logits contract);
   // top-k never reads them, so indexer_topk leaves them unwritten.
   bool fill_masked;
+  uint64_t* trace;  // [grid][kTraceSlots] event stamps of a trace build (kernel_trace.h); or null
 };
 
 struct TopkParams {

@@ -72,6 +72,7 @@
 
 #include "src/cuda/common/device_utils.cuh"
 #include "src/cuda/common/hopper.cuh"
+#include "src/cuda/common/kernel_trace.h"
 #include "src/cuda/common/tma.h"
 #include "src/cuda/indexer/indexer_kernels.h"
 
@@ -219,6 +220,28 @@ inline int indexer_logits_key_splits(int64_t groups, int64_t max_tiles, int sms)
   return best;
 }
 
+// Trace slots of a CTA (a DSAKIT_KERNEL_TRACE build, kernel_trace.h): its entry and each role's
+// end, then eight per work item k < 31 from kTraceItem0 + 8 k, in LogitsTraceItemEvent order.
+enum LogitsTraceSlot : int {
+  kTraceEntry,
+  kTraceProducerEnd,
+  kTraceConsumerEnd,
+  kTraceFinisherEnd,
+  kTraceItem0 = 8
+};
+enum LogitsTraceItemEvent : int {
+  kTraceStageBegin,    // producer thread 0: the item's staging starts (before its buffer's wait)
+  kTraceStageEnd,      // producer thread 0: the staging is issued
+  kTraceFirstIssued,   // producer thread 0: the item's first key tile is issued
+  kTraceLastIssued,    // producer thread 0: its last key tile is issued
+  kTraceQueriesReady,  // consumer thread 0: the item's query buffer is full
+  kTraceFirstReady,    // consumer thread 0: its first key tile is full
+  kTraceLastDone,      // consumer thread 0: its last tile's partials are handed on
+  kTraceFinished,      // finisher thread 0: its last tile is stored
+};
+// Kernel tag of this kernel's trace records.
+constexpr int64_t kLogitsTraceTag = 1;
+
 // Named barriers (0 is __syncthreads): the finishers' kFinishers threads, the producers'.
 constexpr int kFinisherBarrier = 1, kProducerBarrier = 2;
 
@@ -274,6 +297,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     end = min(tiles, begin + per);
   };
 
+  const auto item_stamp = [&](int k, LogitsTraceItemEvent e) {
+    trace_stamp(p.trace, kTraceItem0 + 8 * k + e);
+  };
+  if (threadIdx.x == 0) trace_stamp(p.trace, kTraceEntry);
   if (threadIdx.x == 0) {
     // The producer's arrivals and its cp.async completions: a query buffer's gates and, with
     // kE4m3, a key stage's codes come by cp.async (kE4m3's query codes by TMA, counted in bytes).
@@ -421,7 +448,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     RowAhead ahead = have ? load_row(it) : RowAhead{};
     for (int k = 0; have; ++k, it = it_next) {
       const int b = k % C::kQBuffers;
+      if (ptid == 0) item_stamp(k, kTraceStageBegin);
       stage_queries(k, b, it, ahead);
+      if (ptid == 0) item_stamp(k, kTraceStageEnd);
+      const int item_first_tile = n;
       have = item_of(k + 1, it_next);
       if (have) ahead = load_row(it_next);
       const Rows& rows = rows_of(b);
@@ -470,9 +500,12 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
             sm90::cp_async_mbarrier_arrive(bar_full(stage));
           }
           sm90::mbarrier_arrive(bar_full(stage));
+          if (ptid == 0 && n == item_first_tile) item_stamp(k, kTraceFirstIssued);
         }
       }
+      if (ptid == 0) item_stamp(k, kTraceLastIssued);
     }
+    if (ptid == 0) trace_stamp(p.trace, kTraceProducerEnd);
     cp_async_wait<0>();
   };
 
@@ -538,8 +571,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
             out[pos] = -INFINITY;
         }
       }
+      if (etid == 0) item_stamp(k, kTraceFinished);
       sm90::mbarrier_arrive(bar_q_empty(b));
     }
+    if (etid == 0) trace_stamp(p.trace, kTraceFinisherEnd);
   };
   if (warp >= 4 * C::kConsumers) {
     // setmaxnreg is one instruction for all warps of a warpgroup (.sync.aligned).
@@ -628,6 +663,8 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
   for (int k = 0; item_of(k, it); ++k) {
     const int b = k % C::kQBuffers;
     sm90::mbarrier_wait(bar_q_full(b), (k / C::kQBuffers) & 1);
+    if (threadIdx.x == 0) item_stamp(k, kTraceQueriesReady);
+    const int item_first_tile = n;
     b_tile = base + C::kQ + uint32_t(b * C::kQBytes + wg * C::kWgCols * 128);
     const float* gate_s = gates_of(b);
 #pragma unroll
@@ -643,6 +680,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
       for (int i = __shfl_sync(0xffffffffu, int(begin), 0); i < tile_end; ++i, ++n) {
         const int stage = n % C::kStages, epi_stage = n % C::kEpiStages;
         sm90::mbarrier_wait(bar_full(stage), (n / C::kStages) & 1);
+        if (threadIdx.x == 0 && n == item_first_tile) item_stamp(k, kTraceFirstReady);
         const uint32_t keys_tile = base + C::kKeysOff + stage * C::kTileBytes;
         issue_chain(acc, keys_tile);
         float* partials = reinterpret_cast<float*>(smem + C::kEpi + epi_stage * C::kEpiStageBytes);
@@ -655,8 +693,10 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
         sm90::mbarrier_arrive(bar_epi_full(epi_stage));
       }
     }
+    if (threadIdx.x == 0) item_stamp(k, kTraceLastDone);
     sm90::mbarrier_arrive(bar_q_empty(b));  // every chain of the item has read its queries
   }
+  if (threadIdx.x == 0) trace_stamp(p.trace, kTraceConsumerEnd);
 }
 
 // Launch for H_i = kHeads with kOps operands; cudaErrorInvalidConfiguration when
@@ -692,8 +732,16 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
   if (status != cudaSuccess) return status;
   // Persistent: one CTA per SM (the one resident), each over its items.
   const int64_t ctas = std::min<int64_t>(groups * splits, sms);
-  kernel<<<unsigned(ctas), C::kThreads, C::kSmemBytes, stream>>>(p, maps, splits);
-  return cudaGetLastError();
+  IndexerLogitsParams launched = p;
+  launched.trace = trace_begin(int(ctas), stream);  // null but in a trace build
+  kernel<<<unsigned(ctas), C::kThreads, C::kSmemBytes, stream>>>(launched, maps, splits);
+  status = cudaGetLastError();
+  if (status == cudaSuccess && launched.trace != nullptr) {
+    const int64_t header[8] = {kLogitsTraceTag, ctas,      int64_t(kOps), kHeads,
+                               p.row_begin,     p.row_end, p.width,       splits};
+    trace_end(launched.trace, header, stream);
+  }
+  return status;
 }
 
 }  // namespace dsakit::cuda::indexer_sm90
