@@ -44,7 +44,7 @@ def stats(values):
     return f"median {np.median(v):7.2f}  min {v.min():7.2f}  max {v.max():7.2f}  (n {len(v)})"
 
 
-def detail(header, t):
+def detail(t):
     t0 = t[:, 0][t[:, 0] > 0].min()
     us = lambda x: (x - t0) / 1e3
     first_ready, gaps, busy, staging, items = [], [], [], [], 0
@@ -81,7 +81,7 @@ def main():
         print(f"call {index}: {OPS.get(h[2], h[2])} H_i {h[3]} rows [{h[4]}, {h[5]}) width {h[6]}"
               f" splits {h[7]} CTAs {h[1]}: {span:.1f} us entry to last end")
         if index in want:
-            detail(h, t)
+            detail(t)
 
 
 if __name__ == "__main__":
