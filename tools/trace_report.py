@@ -47,7 +47,8 @@ def stats(values):
 def detail(t):
     t0 = t[:, 0][t[:, 0] > 0].min()
     us = lambda x: (x - t0) / 1e3
-    first_ready, gaps, busy, staging, items = [], [], [], [], 0
+    first_ready, first_issued, gaps, busy, staging, items = [], [], [], [], [], 0
+    fill, lead = [], []
     for cta in range(t.shape[0]):
         k = 0
         while 8 + 8 * k + 7 < SLOTS and t[cta, 8 + 8 * k] > 0:
@@ -57,13 +58,19 @@ def detail(t):
             if t[cta, s + 5] > 0:
                 if k == 0:
                     first_ready.append(us(t[cta, s + 5]))
+                    first_issued.append(us(t[cta, s + 2]))
+                fill.append((t[cta, s + 5] - t[cta, s + 2]) / 1e3)
+                lead.append((t[cta, s + 6] - t[cta, s + 3]) / 1e3)
                 busy.append((t[cta, s + 6] - t[cta, s + 5]) / 1e3)
                 if k > 0 and t[cta, s - 8 + 6] > 0:
                     gaps.append((t[cta, s + 5] - t[cta, s - 8 + 6]) / 1e3)
             k += 1
     ends = [us(t[c, 1:4].max()) for c in range(t.shape[0])]
     print(f"  CTA ends (us):                       {stats(ends)}")
+    print(f"  first tile issued after entry (us):  {stats(first_issued)}")
     print(f"  first tile ready after entry (us):   {stats(first_ready)}")
+    print(f"  an item's first tile, issued to ready (us): {stats(fill)}")
+    print(f"  producer's lead, last tile issued to done (us): {stats(lead)}")
     print(f"  producer staging of an item (us):    {stats(staging)}")
     print(f"  consumers' gap between items (us):   {stats(gaps)}")
     print(f"  consumers' time in an item (us):     {stats(busy)}")

@@ -18,7 +18,7 @@ def logits_record(rng: np.random.Generator, ctas: int, items: int):
     """A tag-1 record whose CTAs run `items` work items each, with random event spacings (ns).
     Returns the bytes and the expected medians (us)."""
     t = np.zeros((ctas, SLOTS), dtype=np.uint64)
-    staging, gaps, busy, first = [], [], [], []
+    staging, gaps, busy, first, first_issued, fill, lead = [], [], [], [], [], [], []
     for c in range(ctas):
         clock = int(rng.integers(1_000, 2_000))
         t[c, 0] = clock
@@ -31,9 +31,13 @@ def logits_record(rng: np.random.Generator, ctas: int, items: int):
             t[c, s + 1:s + 8] = events
             staging.append(d[0] / 1e3)
             ready, done = int(events[4]), int(events[5])  # slots s + 5, s + 6
+            issued, last_issued = int(events[1]), int(events[2])  # slots s + 2, s + 3
             busy.append((done - ready) / 1e3)
+            fill.append((ready - issued) / 1e3)
+            lead.append((done - last_issued) / 1e3)
             if k == 0:
                 first.append(ready)
+                first_issued.append(issued)
             else:
                 gaps.append((ready - last_done) / 1e3)
             last_done = done
@@ -43,6 +47,9 @@ def logits_record(rng: np.random.Generator, ctas: int, items: int):
     header = struct.pack("<8q", 1, ctas, 0, 64, 0, 4096, 4096, 1)
     expected = {
         "first": np.median([(f - t0) / 1e3 for f in first]),
+        "first_issued": np.median([(f - t0) / 1e3 for f in first_issued]),
+        "fill": np.median(fill),
+        "lead": np.median(lead),
         "staging": np.median(staging),
         "gap": np.median(gaps) if gaps else float("nan"),
         "busy": np.median(busy),
@@ -75,7 +82,9 @@ def test_medians_of_a_call_match_the_stamps(rng, tmp_path):
     call1 = r.stdout[r.stdout.index("call 1:"):]
     assert f"{expected1['span']:.1f} us" in call1.splitlines()[0]
     for label, key in (("first tile ready", "first"), ("producer staging", "staging"),
-                       ("gap between items", "gap"), ("time in an item", "busy")):
+                       ("gap between items", "gap"), ("time in an item", "busy"),
+                       ("first tile issued", "first_issued"), ("issued to ready", "fill"),
+                       ("last tile issued to done", "lead")):
         assert abs(median_of(call1, label) - expected1[key]) < 0.006, label
     assert "work items: 12" in call1
 
