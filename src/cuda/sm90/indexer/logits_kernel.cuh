@@ -68,11 +68,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "src/cuda/common/device_utils.cuh"
 #include "src/cuda/common/hopper.cuh"
 #include "src/cuda/common/kernel_trace.h"
+#include "src/cuda/common/launch.h"
 #include "src/cuda/common/tma.h"
 #include "src/cuda/indexer/indexer_kernels.h"
 
@@ -727,8 +729,9 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
     if (status != cudaSuccess) return status;
   }
   auto* kernel = &indexer_logits_sm90_kernel<kHeads, kOps>;
+  static std::atomic<uint64_t> smem_set{0};
   cudaError_t status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+      opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, smem_set);
   if (status != cudaSuccess) return status;
   // Persistent: one CTA per SM (the one resident), each over its items.
   const int64_t ctas = std::min<int64_t>(groups * splits, sms);
