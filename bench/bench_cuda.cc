@@ -631,6 +631,22 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
         be, [&](int) { layer.forward(b, in.view()); }, 10);
     rows.push_back({shape, std::string("layer_") + to_string(m), t, 0, 0});
   }
+  // The dense layer as an engine calls it: the batch prepared once per step for all of the
+  // model's layers (plan, page tables, their upload), the outputs its own buffers; per layer
+  // the store and the path's launches.
+  LayerOptions o;
+  o.policy.mode = DispatchMode::kDense;
+  DsaAttention layer(c, be, kv, ix, w, o);
+  const PreparedBatch prepared = layer.prepare(b);
+  const Tensor out_o = be.empty(o.output_dtype, {t, c.num_heads, c.v_head_dim});
+  const Tensor out_lse = be.empty(DType::kF32, {t, c.num_heads});
+  LayerOutputs outs;
+  outs.o = out_o;
+  outs.lse = out_lse;
+  rows.push_back({shape, "layer_dense prepared",
+                  time_ms(
+                      be, [&](int) { layer.forward(prepared, in.view(), outs); }, 10),
+                  0, 0});
   return rows;
 }
 

@@ -199,6 +199,12 @@ class Backend {
   // Quantizes idx_k bf16 [n, d_i] per token (power-of-two scale) into the index-key pool.
   virtual void store_index_keys(IndexKeyPool& pool, const TensorView& locs,
                                 const TensorView& idx_k) = 0;
+  // A layer's new tokens into both pools at the same locations: store_kv(kv, locs, c_kv, k_pe)
+  // and store_index_keys(index, locs, idx_k), each argument checked before either pool is
+  // written. The CUDA backend runs both in one launch.
+  virtual void store_tokens(PagedKvPool& kv, IndexKeyPool& index, const TensorView& locs,
+                            const TensorView& c_kv, const TensorView& k_pe,
+                            const TensorView& idx_k);
 
   // ---- indexer ------------------------------------------------------------------------
   // idx_q bf16 [T, H_i, d_i], idx_w f32 [T, H_i] -> q8 u8 [T, H_i, d_i], gate f32 [T, H_i].

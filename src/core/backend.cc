@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "dsakit/error.h"
+#include "src/core/validate.h"
 #include "src/cuda/attention/dispatch.h"  // the instance table: plain C++, no CUDA
 
 namespace dsakit {
@@ -101,6 +102,16 @@ Backend::HostIndexValues Backend::host_index_values(const TensorView& t) const {
   if (t.device == Device::kCpu && t.dtype == DType::kI32 && t.is_contiguous())
     h.data = t.ptr<const int32_t>();
   return h;
+}
+
+void Backend::store_tokens(PagedKvPool& kv, IndexKeyPool& index, const TensorView& locs,
+                           const TensorView& c_kv, const TensorView& k_pe,
+                           const TensorView& idx_k) {
+  const HostIndexValues host_locs = host_index_values(locs);
+  validate::store_kv(kv, locs, c_kv, k_pe, device(), host_locs.data);
+  validate::store_index_keys(index, locs, idx_k, device(), host_locs.data);
+  store_kv(kv, locs, c_kv, k_pe);
+  store_index_keys(index, locs, idx_k);
 }
 
 void Backend::select_rows(const TensorView&, const TensorView&, const TensorView&) {

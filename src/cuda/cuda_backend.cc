@@ -307,22 +307,53 @@ Backend::Ceilings CudaBackend::measure_ceilings() {
 
 // ---- pool -----------------------------------------------------------------------------------
 
+namespace {
+
+StoreKvParams store_kv_params(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
+                              const TensorView& k_pe) {
+  const KvPoolDesc& d = pool.desc();
+  return {locs.ptr<const int32_t>(),
+          c_kv.ptr<const bf16_t>(),
+          k_pe.ptr<const bf16_t>(),
+          pool.storage().ptr<uint8_t>(),
+          locs.numel(),
+          d.num_locations(),
+          d.row(),
+          d.scale_policy,
+          d.k_scale};
+}
+
+StoreIndexKeysParams store_index_keys_params(IndexKeyPool& pool, const TensorView& locs,
+                                             const TensorView& idx_k) {
+  const IndexKeyPoolDesc& d = pool.desc();
+  return {locs.ptr<const int32_t>(),
+          idx_k.ptr<const bf16_t>(),
+          pool.storage().ptr<uint8_t>(),
+          locs.numel(),
+          d.num_locations(),
+          d.page_size,
+          d.d_i};
+}
+
+}  // namespace
+
 void CudaBackend::store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                            const TensorView& k_pe) {
   activate();
   const HostIndexValues host_locs = host_index_values(locs);
   validate::store_kv(pool, locs, c_kv, k_pe, Device::kCuda, host_locs.data);
-  const KvPoolDesc& d = pool.desc();
-  const StoreKvParams p{locs.ptr<const int32_t>(),
-                        c_kv.ptr<const bf16_t>(),
-                        k_pe.ptr<const bf16_t>(),
-                        pool.storage().ptr<uint8_t>(),
-                        locs.numel(),
-                        d.num_locations(),
-                        d.row(),
-                        d.scale_policy,
-                        d.k_scale};
-  DSAKIT_CUDA_CHECK(launch_store_kv(p, stream_));
+  DSAKIT_CUDA_CHECK(launch_store_kv(store_kv_params(pool, locs, c_kv, k_pe), stream_));
+}
+
+void CudaBackend::store_tokens(PagedKvPool& kv, IndexKeyPool& index, const TensorView& locs,
+                               const TensorView& c_kv, const TensorView& k_pe,
+                               const TensorView& idx_k) {
+  activate();
+  const HostIndexValues host_locs = host_index_values(locs);
+  validate::store_kv(kv, locs, c_kv, k_pe, Device::kCuda, host_locs.data);
+  validate::store_index_keys(index, locs, idx_k, Device::kCuda, host_locs.data);
+  DSAKIT_CUDA_CHECK(launch_store_tokens(store_kv_params(kv, locs, c_kv, k_pe),
+                                        store_index_keys_params(index, locs, idx_k), stream_));
 }
 
 void CudaBackend::gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
@@ -349,15 +380,7 @@ void CudaBackend::store_index_keys(IndexKeyPool& pool, const TensorView& locs,
   activate();
   const HostIndexValues host_locs = host_index_values(locs);
   validate::store_index_keys(pool, locs, idx_k, Device::kCuda, host_locs.data);
-  const IndexKeyPoolDesc& d = pool.desc();
-  const StoreIndexKeysParams p{locs.ptr<const int32_t>(),
-                               idx_k.ptr<const bf16_t>(),
-                               pool.storage().ptr<uint8_t>(),
-                               locs.numel(),
-                               d.num_locations(),
-                               d.page_size,
-                               d.d_i};
-  DSAKIT_CUDA_CHECK(launch_store_index_keys(p, stream_));
+  DSAKIT_CUDA_CHECK(launch_store_index_keys(store_index_keys_params(pool, locs, idx_k), stream_));
 }
 
 // ---- indexer --------------------------------------------------------------------------------

@@ -106,6 +106,9 @@ class CudaBackend final : public Backend {
                  const TensorView& k_pe) override;
   void store_index_keys(IndexKeyPool& pool, const TensorView& locs,
                         const TensorView& idx_k) override;
+  void store_tokens(PagedKvPool& kv, IndexKeyPool& index, const TensorView& locs,
+                    const TensorView& c_kv, const TensorView& k_pe,
+                    const TensorView& idx_k) override;
 
   void indexer_quantize_q(const TensorView& idx_q, const TensorView& idx_w, const TensorView& q8,
                           const TensorView& gate) override;

@@ -181,8 +181,7 @@ LayerResult DcpRank::forward(const Batch& batch, const LayerInputs& in,
       be.select_rows(in.c_kv, d_store_rows, c_kv);
       be.select_rows(in.k_pe, d_store_rows, k_pe);
       be.select_rows(in.idx_k, d_store_rows, idx_k);
-      be.store_kv(kv_, d_store_locs, c_kv, k_pe);
-      be.store_index_keys(index_, d_store_locs, idx_k);
+      be.store_tokens(kv_, index_, d_store_locs, c_kv, k_pe, idx_k);
     });
   }
 

@@ -285,13 +285,18 @@ LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInpu
     ~RestoreChecks() { be.set_index_value_checks(previous); }
   } restore{be, be.set_index_value_checks(false)};
 
-  const TensorView& new_locs = state.dev[0].new_locs;
-
   // ---- store the new tokens ---------------------------------------------------------------
-  stage("store", [&] {
-    be.store_kv(kv_pool_, new_locs, in.c_kv, in.k_pe);
-    be.store_index_keys(index_pool_, new_locs, in.idx_k);
-  });
+  const auto store = [&] {
+    stage("store", [&] {
+      be.store_tokens(kv_pool_, index_pool_, state.dev[0].new_locs, in.c_kv, in.k_pe, in.idx_k);
+    });
+  };
+  // Dense MHA over a fresh batch whose pool rows are its inputs (pool_rows_are_inputs) reads no
+  // pool: its launches go first and the store after them, so that on a short batch, whose time
+  // is the host's enqueue, the GPU runs the attention while the host enqueues the store.
+  const bool store_last = res.plan.path == AttentionPath::kDenseMha &&
+                          detail::pool_rows_are_inputs(be, kv_pool_, state.bi.cu_q, state.bi.cu_kv);
+  if (!store_last) store();
 
   const bool any_sparse =
       std::any_of(res.plan.segments.begin(), res.plan.segments.end(),
@@ -299,6 +304,7 @@ LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInpu
   if (any_sparse) res.topk = output(out.topk, DType::kI32, {t, c.index_topk});
   if (res.plan.path != AttentionPath::kMixed) {
     run_path(res.plan.path, state.bi, state.dev[0], in, res.o, res.lse, res.topk, stage);
+    if (store_last) store();
     return res;
   }
   // ---- mixed: each run of requests through its own path over its rows of the batch --------

@@ -581,6 +581,64 @@ TEST(KvPool, LayoutsAreTyped) {
   });
 }
 
+// store_tokens (both pools, one launch on CUDA) writes the bytes of store_kv + store_index_keys;
+// a rejected call leaves both pools byte-identical, whichever argument is wrong.
+TEST(KvPool, StoreTokensWritesBothStoresBytes) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(seed);
+  Rng rng(seed);
+  for_each_backend([&](Backend& be) {
+    for (const LayoutCase& lc : kLayoutCases) {
+      for (int page_size : {16, 64}) {
+        const int64_t n = 37;
+        const KvPoolDesc kd = pool_desc(lc, page_size, 3 * n);
+        SCOPED_TRACE(describe(kd));
+        IndexKeyPoolDesc id;
+        id.page_size = page_size;
+        id.num_pages = kd.num_pages;
+        id.d_i = kDi;
+        PagedKvPool fused_kv = be.make_kv_pool(kd), kv = be.make_kv_pool(kd);
+        IndexKeyPool fused_ix = be.make_index_pool(id), ix = be.make_index_pool(id);
+        const Tokens tok = random_tokens(rng, n, lc.layout);
+        const Tensor c_kv = be.to_device(tok.c_kv), k_pe = be.to_device(tok.k_pe);
+        const Tensor keys = be.to_device(mixed_magnitudes(rng, n, kDi));
+        const Tensor locs =
+            be.to_device(i32_tensor(distinct_locations(rng, n, kd.num_locations())));
+        be.store_tokens(fused_kv, fused_ix, locs, c_kv, k_pe, keys);
+        be.store_kv(kv, locs, c_kv, k_pe);
+        be.store_index_keys(ix, locs, keys);
+        EXPECT_EQ(testing::checksum(be.to_host(fused_kv.storage())),
+                  testing::checksum(be.to_host(kv.storage())));
+        EXPECT_EQ(testing::checksum(be.to_host(fused_ix.storage())),
+                  testing::checksum(be.to_host(ix.storage())));
+        EXPECT_NE(testing::checksum(be.to_host(fused_ix.storage())),
+                  testing::checksum(be.to_host(be.make_index_pool(id).storage())));
+
+        // Rejected: neither pool changes, whether the latent or the key argument is wrong.
+        const auto expect_both_unchanged = [&](const char* arg, const TensorView& bad_c_kv,
+                                               const TensorView& bad_keys, const Tensor& l) {
+          SCOPED_TRACE(arg);
+          const uint64_t kv_before = testing::checksum(be.to_host(fused_kv.storage()));
+          const uint64_t ix_before = testing::checksum(be.to_host(fused_ix.storage()));
+          expect_error([&] { be.store_tokens(fused_kv, fused_ix, l, bad_c_kv, k_pe, bad_keys); },
+                       ErrorKind::kInvalidArgument, {arg});
+          EXPECT_EQ(testing::checksum(be.to_host(fused_kv.storage())), kv_before);
+          EXPECT_EQ(testing::checksum(be.to_host(fused_ix.storage())), ix_before);
+        };
+        const Tensor short_keys =
+            be.to_device(testing::random_tensor(rng, DType::kBF16, {n, kDi / 2}));
+        const Tensor short_c_kv =
+            be.to_device(testing::random_tensor(rng, DType::kBF16, {n, kDc - 128}));
+        expect_both_unchanged("idx_k", c_kv, short_keys, locs);
+        expect_both_unchanged("c_kv", short_c_kv, keys, locs);
+        std::vector<int32_t> repeated = distinct_locations(rng, n, kd.num_locations());
+        repeated.back() = repeated.front();
+        expect_both_unchanged("locs", c_kv, keys, be.to_device(i32_tensor(repeated)));
+      }
+    }
+  });
+}
+
 // ---- bad input ------------------------------------------------------------------------------
 
 // Runs a call that must be rejected: Error(kInvalidArgument) naming `arg`, pool bytes unchanged.

@@ -50,5 +50,8 @@ struct StoreIndexKeysParams {
 cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream);
 cudaError_t launch_gather_kv(const GatherKvParams& p, cudaStream_t stream);
 cudaError_t launch_store_index_keys(const StoreIndexKeysParams& p, cudaStream_t stream);
+// Both stores in one launch: kv's n latent rows and keys' n indexer keys.
+cudaError_t launch_store_tokens(const StoreKvParams& kv, const StoreIndexKeysParams& keys,
+                                cudaStream_t stream);
 
 }  // namespace dsakit::cuda
