@@ -150,15 +150,20 @@ BatchIndex BatchIndex::build(const Batch& batch, int page_size) {
     const auto& table = batch.page_tables[size_t(r)];
     const int32_t p0 = batch.prefix_lens[size_t(r)];
     const int32_t len = x.cu_kv[size_t(r) + 1] - x.cu_kv[size_t(r)];
-    for (int32_t p = 0; p < len; ++p)
-      x.kv_locs[size_t(x.cu_kv[size_t(r)] + p)] = int32_t(location_of(table, page_size, p));
+    // location_of(table, page_size, p) for p < len, a page at a time.
+    int32_t* locs = x.kv_locs.data() + x.cu_kv[size_t(r)];
+    for (int32_t first = 0, page = 0; first < len; first += page_size, ++page) {
+      const int64_t base = int64_t(table[size_t(page)]) * page_size;
+      const int32_t end = std::min<int64_t>(len, int64_t(first) + page_size);
+      for (int32_t p = first; p < end; ++p) locs[p] = int32_t(base + (p - first));
+    }
     for (int32_t i = 0; i < batch.extend_lens[size_t(r)]; ++i) {
       const size_t t = size_t(x.cu_q[size_t(r)] + i);
       x.token_request[t] = r;
       x.token_pos[t] = p0 + i;
       x.token_ctx_len[t] = p0 + i + 1;
       x.token_kv_start[t] = x.cu_kv[size_t(r)];
-      x.new_locs[t] = int32_t(location_of(table, page_size, p0 + i));
+      x.new_locs[t] = locs[p0 + i];
     }
   }
   return x;

@@ -808,7 +808,7 @@ TEST(BatchIndex, LocationMapping) {
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE(seed);
   Rng rng(seed);
-  for (int page_size : {1, 64}) {
+  for (int page_size : {1, 16, 64}) {
     SCOPED_TRACE("page_size " + std::to_string(page_size));
     const int num_pages = 4096 / page_size;
     std::vector<int32_t> free_pages(static_cast<size_t>(num_pages));
