@@ -19,6 +19,7 @@
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
+#include "src/cuda/common/fast_divmod.h"
 #include "src/cuda/cuda_backend.h"
 #include "src/reference/reference.h"
 #include "tests/common/test_util.h"
@@ -122,6 +123,32 @@ const std::vector<PoolCase> kPoolCases = {
 };
 
 // ---- capabilities -------------------------------------------------------------------------
+
+// The launch-time divider of the kernels (common/fast_divmod.h) against integer division, on
+// the host (the same formula the kernels run with __umulhi): divisors from 1 to 2^31 - 1,
+// numerators at the ends of [0, 2^31) and around multiples of the divisor.
+TEST(FastDivmod, EqualsIntegerDivisionBelow2To31) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(seed);
+  Rng rng(seed);
+  std::vector<uint32_t> divisors = {1, 2, 3, 7, 12, 64, 100, 65535, 65536, 65537, 0x7fffffffu};
+  for (int i = 0; i < 2000; ++i) divisors.push_back(uint32_t(rng.randint(1, 0x7fffffff)));
+  for (int i = 0; i < 200; ++i) divisors.push_back(uint32_t(rng.randint(1, 4096)));
+  for (const uint32_t d : divisors) {
+    const cuda::FastDivmod f(d);
+    std::vector<uint32_t> ns = {0, 1, d - 1, d, d + 1, 0x7ffffffeu, 0x7fffffffu};
+    for (int i = 0; i < 50; ++i) ns.push_back(uint32_t(rng.randint(0, 0x7fffffff)));
+    for (int i = 0; i < 20; ++i) {
+      const uint64_t m = uint64_t(d) * uint64_t(rng.randint(0, int64_t(0x7fffffff / d)));
+      for (const uint64_t n : {m, m + d - 1})
+        if (n < 0x80000000u) ns.push_back(uint32_t(n));
+    }
+    for (const uint32_t n : ns) {
+      if (n >= 0x80000000u) continue;
+      ASSERT_EQ(f.div(n), n / d) << n << " / " << d;
+    }
+  }
+}
 
 TEST_F(CudaBackendTest, CapabilitiesAndDeviceChoice) {
   const Capabilities& caps = gpu_->capabilities();
@@ -576,7 +603,8 @@ TEST_F(CudaBackendTest, TensorCoreLogitsMatchScalarKernelAndCpu) {
   SCOPED_TRACE(trace());
   for (int h_i : {64, 32}) {
     // Page size 1 leaves key rows 4-byte aligned: the wgmma kernel falls back to mma.sync.
-    for (int page_size : {1, 16, 64}) {
+    // 12: a page size that is not a power of two (the wgmma kernel's location divider).
+    for (int page_size : {1, 12, 16, 64}) {
       SCOPED_TRACE("H_i " + std::to_string(h_i) + " page " + std::to_string(page_size));
       const BatchIndexer b = make_batch_indexer(*gpu_, *cpu_, rng(), h_i, page_size);
       auto gpu_logits = [&](cuda::IndexerKernel kernel, int64_t row_begin, int64_t row_end) {

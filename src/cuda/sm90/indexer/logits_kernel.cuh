@@ -72,6 +72,7 @@
 #include <cstdint>
 
 #include "src/cuda/common/device_utils.cuh"
+#include "src/cuda/common/fast_divmod.h"
 #include "src/cuda/common/hopper.cuh"
 #include "src/cuda/common/kernel_trace.h"
 #include "src/cuda/common/launch.h"
@@ -161,10 +162,12 @@ struct LogitsConfig {
   }
 };
 
-// kE4m3's tensor map of the query codes, bytes, 128-byte swizzled (kF16 widens the codes in
-// registers and leaves it unset).
-struct LogitsMaps {
-  CUtensorMap q8;  // [row_end * h_i rows][128 B] boxes of [256 rows][128 B]
+// What the launcher derives from IndexerLogitsParams: kE4m3's tensor map of the query codes,
+// bytes, 128-byte swizzled (kF16 widens the codes in registers and leaves it unset), and the
+// division of a pool location by page_size.
+struct LogitsLaunch {
+  CUtensorMap q8;        // [row_end * h_i rows][128 B] boxes of [256 rows][128 B]
+  FastDivmod page_size;  // location / page_size: its page (locations < 2^31)
 };
 
 // ReLU that keeps NaN (max.NaN): a NaN score stays NaN, as in the other logits kernels.
@@ -250,7 +253,7 @@ constexpr int kFinisherBarrier = 1, kProducerBarrier = 2;
 template <int kHeads, LogitsOperands kOps>
 __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     indexer_logits_sm90_kernel(const __grid_constant__ IndexerLogitsParams p,
-                               const __grid_constant__ LogitsMaps maps, int key_splits) {
+                               const __grid_constant__ LogitsLaunch launch, int key_splits) {
   using C = LogitsConfig<kHeads, kOps>;
   extern __shared__ __align__(1024) uint8_t smem[];
   const uint32_t base = smem_addr(smem);
@@ -414,7 +417,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
         const int q_row0 = int((p.row_begin + it.row0) * kHeads);
 #pragma unroll
         for (int j = 0; j < C::kCtaRows / 256; ++j)
-          sm90::tma_load_2d(q_tile + j * 256 * 128, &maps.q8, bar_q_full(b), 0, q_row0 + 256 * j);
+          sm90::tma_load_2d(q_tile + j * 256 * 128, &launch.q8, bar_q_full(b), 0, q_row0 + 256 * j);
       }
       // Gates: 16 bytes (4 heads of one row) a chunk; the item's rows are consecutive batch
       // rows, so its gates are one run of kCtaRows floats.
@@ -468,7 +471,8 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
           if (i + 1 < tile_end) next = location(start, int(limit), (i + 1) * C::kKeys);
           const int stage = n % C::kStages;
           const bool ok = loc >= 0;
-          const int32_t page = ok ? loc / p.page_size : 0, slot = ok ? loc - page * p.page_size : 0;
+          const int32_t page = ok ? int32_t(launch.page_size.div(uint32_t(loc))) : 0;
+          const int32_t slot = ok ? loc - page * p.page_size : 0;
           const uint8_t* page_base = p.key_pages + page * page_bytes;
           const uint8_t* codes = page_base + int64_t(slot) * C::kDim;
           const float* scale =
@@ -720,12 +724,13 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
       key_splits > 0 ? key_splits
                      : indexer_logits_key_splits(groups, (p.width + C::kKeys - 1) / C::kKeys, sms);
   if (groups * splits > INT32_MAX) return cudaErrorInvalidValue;
-  LogitsMaps maps{};
+  LogitsLaunch launch{};
+  launch.page_size = FastDivmod(uint32_t(p.page_size));
   if constexpr (!C::kF16) {
     const uint64_t q_dims[2] = {128, uint64_t(p.row_end) * kHeads}, q_strides[1] = {128};
     const uint32_t q_box[2] = {128, 256};
     const cudaError_t status =
-        make_tensor_map_u8_sw128(&maps.q8, p.q8, 2, q_dims, q_strides, q_box);
+        make_tensor_map_u8_sw128(&launch.q8, p.q8, 2, q_dims, q_strides, q_box);
     if (status != cudaSuccess) return status;
   }
   auto* kernel = &indexer_logits_sm90_kernel<kHeads, kOps>;
@@ -737,7 +742,7 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
   const int64_t ctas = std::min<int64_t>(groups * splits, sms);
   IndexerLogitsParams launched = p;
   launched.trace = trace_begin(int(ctas), stream);  // null but in a trace build
-  kernel<<<unsigned(ctas), C::kThreads, C::kSmemBytes, stream>>>(launched, maps, splits);
+  kernel<<<unsigned(ctas), C::kThreads, C::kSmemBytes, stream>>>(launched, launch, splits);
   status = cudaGetLastError();
   if (status == cudaSuccess && launched.trace != nullptr) {
     const int64_t header[8] = {kLogitsTraceTag, ctas,      int64_t(kOps), kHeads,
