@@ -127,6 +127,7 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   // A fixed cuBLAS workspace: cuBLAS then never allocates inside an op (graph capture).
   DSAKIT_CUDA_CHECK(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
   DSAKIT_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
+  gemm_plans_ = std::make_unique<GemmPlans>(cublas_workspace_, kCublasWorkspaceBytes);
   arena_ = std::make_shared<DeviceArena>(device_);
 }
 
@@ -136,6 +137,7 @@ CudaBackend::~CudaBackend() {
   cudaGetDevice(&previous);
   cudaSetDevice(device_);
   if (stream_) cudaStreamSynchronize(stream_);
+  gemm_plans_.reset();
   if (cublas_) cublasDestroy(cublas_);
   if (cublas_workspace_) cudaFree(cublas_workspace_);
   if (own_stream_) cudaStreamDestroy(own_stream_);
@@ -567,7 +569,7 @@ void CudaBackend::absorb_q(const TensorView& q_nope, const TensorView& kv_b_proj
   const ProjectionDims dims{q_nope.shape[0], int(q_nope.shape[1]), int(q_nope.shape[2]), d_v,
                             int(kv_b_proj.shape[1])};
   const ProjectionOperands ops = prepare_projection(q_nope, kv_b_proj, {&q_abs});
-  DSAKIT_CUBLAS_CHECK(gemm_absorb_q(cublas_, dims, ops.operand_type, q_nope.data, ops.w,
+  DSAKIT_CUBLAS_CHECK(gemm_absorb_q(gemm_context(), dims, ops.operand_type, q_nope.data, ops.w,
                                     ops.out_type(0, q_abs), ops.out(0, q_abs)));
   finish_projection(ops, {&q_abs});
 }
@@ -579,8 +581,8 @@ void CudaBackend::up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj
   const ProjectionDims dims{o_lat.shape[0], int(o_lat.shape[1]), d_nope, int(o.shape[2]),
                             int(o_lat.shape[2])};
   const ProjectionOperands ops = prepare_projection(o_lat, kv_b_proj, {&o});
-  DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, ops.operand_type, o_lat.data, dims.d_c, ops.w,
-                                      d_nope, dims.d_v, ops.out_type(0, o), ops.out(0, o)));
+  DSAKIT_CUBLAS_CHECK(gemm_up_project(gemm_context(), dims, ops.operand_type, o_lat.data, dims.d_c,
+                                      ops.w, d_nope, dims.d_v, ops.out_type(0, o), ops.out(0, o)));
   finish_projection(ops, {&o});
 }
 
@@ -597,15 +599,16 @@ void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj
                  "cuda up_proj_kv: k_nope/v as halves of one buffer need bf16 c_kv and outputs; "
                  "got c_kv ",
                  to_string(c_kv.dtype), ", outputs ", to_string(k_nope.dtype));
-    DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, CUDA_R_16BF, c_kv.data, 0, kv_b_proj.data, 0,
-                                        dims.d_nope + dims.d_v, CUDA_R_16BF, k_nope.data));
+    DSAKIT_CUBLAS_CHECK(gemm_up_project(gemm_context(), dims, CUDA_R_16BF, c_kv.data, 0,
+                                        kv_b_proj.data, 0, dims.d_nope + dims.d_v, CUDA_R_16BF,
+                                        k_nope.data));
     return;
   }
   const ProjectionOperands ops = prepare_projection(c_kv, kv_b_proj, {&k_nope, &v});
   // c_kv [N, d_c] is shared by every head: head stride 0.
-  DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, ops.operand_type, c_kv.data, 0, ops.w, 0,
-                                      dims.d_nope, ops.out_type(0, k_nope), ops.out(0, k_nope)));
-  DSAKIT_CUBLAS_CHECK(gemm_up_project(cublas_, dims, ops.operand_type, c_kv.data, 0, ops.w,
+  DSAKIT_CUBLAS_CHECK(gemm_up_project(gemm_context(), dims, ops.operand_type, c_kv.data, 0, ops.w,
+                                      0, dims.d_nope, ops.out_type(0, k_nope), ops.out(0, k_nope)));
+  DSAKIT_CUBLAS_CHECK(gemm_up_project(gemm_context(), dims, ops.operand_type, c_kv.data, 0, ops.w,
                                       dims.d_nope, dims.d_v, ops.out_type(1, v), ops.out(1, v)));
   finish_projection(ops, {&k_nope, &v});
 }

@@ -15,6 +15,7 @@
 #include "dsakit/backend.h"
 #include "src/cuda/attention/attention_ops.h"
 #include "src/cuda/common/workspace.h"
+#include "src/cuda/gemm/projections.h"
 
 namespace dsakit::cuda {
 
@@ -159,7 +160,9 @@ class CudaBackend final : public Backend {
   cudaStream_t own_stream_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
-  void* cublas_workspace_ = nullptr;
+  void* cublas_workspace_ = nullptr;  // cuBLAS's and the GEMM plans' (one stream)
+  std::unique_ptr<GemmPlans> gemm_plans_;
+  GemmContext gemm_context() const { return {gemm_plans_.get(), cublas_, stream_}; }
   std::shared_ptr<DeviceArena> arena_;
   std::vector<std::shared_ptr<void>> graph_blocks_;  // allocated while capturing: never recycled
   Workspace workspace_;

@@ -1,6 +1,7 @@
 // The CUDA backend against the CPU backend (bit-exact for pool bytes, gathers and top-k) and the
 // float64 reference (GEMMs, logits, merge), plus what only a GPU backend has: determinism,
 // workspace reuse, user streams and CUDA-graph capture. Skipped without a CUDA device.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -903,6 +904,58 @@ TEST_F(CudaBackendTest, UpProjKvIntoHalvesMatchesReference) {
 }
 
 // ---- merge ----------------------------------------------------------------------------------
+
+// A K/V up-projection large enough that the backend times cuBLASLt's candidates for it
+// (gemm_plans.h): the chosen algorithm gives the bits of cuBLAS's own choice for the same GEMM,
+// on the first call (timed) and the next (cached); sampled rows against float64.
+TEST_F(CudaBackendTest, TimedUpProjectionKeepsCublasBits) {
+  SCOPED_TRACE(trace());
+  const int64_t n = 2048;
+  const int h = 16, dn = 128, dv = 128, dc = 512;  // DeepSeek-V3.2 at 16 heads: 8.6 GFLOP
+  ASSERT_GE(2.0 * h * (dn + dv) * double(n) * dc, cuda::GemmPlans::kTuneMinFlop);
+  const Tensor w = testing::random_tensor(rng(), DType::kBF16, {h * (dn + dv), dc}, 0.05f);
+  const Tensor c_kv = testing::random_tensor(rng(), DType::kBF16, {n, dc});
+  const Tensor d_w = gpu_->to_device(w), d_c = gpu_->to_device(c_kv);
+  const auto project = [&] {
+    const Tensor kv = poisoned(DType::kBF16, {n, h, dn + dv});
+    const KvHalves halves = kv_halves(kv, dn);
+    gpu_->up_proj_kv(d_c, d_w, halves.k_nope, halves.v);
+    return gpu_->to_host(kv);
+  };
+  const Tensor first = project(), second = project();
+  // cuBLAS's choice: Out^T [H (dn + dv), n] = W [H (dn + dv), dc] · c_kv^T, as one GEMM.
+  const Tensor want = gpu_->empty(DType::kBF16, {n, h, dn + dv});
+  cublasHandle_t handle = nullptr;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(
+      cublasSetMathMode(handle, cublasMath_t(CUBLAS_DEFAULT_MATH |
+                                             CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+      CUBLAS_STATUS_SUCCESS);
+  const float one = 1.0f, zero = 0.0f;
+  const int m = h * (dn + dv);
+  const cublasStatus_t status =
+      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, int(n), dc, &one, d_w.view().data,
+                   CUDA_R_16BF, dc, d_c.view().data, CUDA_R_16BF, dc, &zero, want.view().data,
+                   CUDA_R_16BF, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  cublasDestroy(handle);
+  ASSERT_EQ(status, CUBLAS_STATUS_SUCCESS);
+  const Tensor want_host = gpu_->to_host(want);
+  EXPECT_TRUE(same_bytes(first, want_host)) << "timed plan vs cuBLAS";
+  EXPECT_TRUE(same_bytes(second, want_host)) << "cached plan vs cuBLAS";
+  std::vector<double> got, ref;
+  for (int64_t r : {int64_t(0), n / 3, n - 1}) {
+    for (int j = 0; j < m; ++j) {
+      double acc = 0;
+      for (int c = 0; c < dc; ++c)
+        acc += double(bf16_to_f32(w.ptr<bf16_t>()[int64_t(j) * dc + c])) *
+               bf16_to_f32(c_kv.ptr<bf16_t>()[r * dc + c]);
+      ref.push_back(acc);
+      got.push_back(bf16_to_f32(first.ptr<bf16_t>()[r * m + j]));
+    }
+  }
+  EXPECT_LE(testing::rel_l2(got, ref), testing::kTolBf16);
+}
 
 TEST_F(CudaBackendTest, MergePartialsMatchesFloat64) {
   SCOPED_TRACE(trace());

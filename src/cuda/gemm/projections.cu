@@ -16,26 +16,16 @@ const void* offset(const void* p, int64_t elements, cudaDataType type) {
 }
 
 // Column-major C[m, n] (ldc, stride_c) = op(A)[m, k] · B[k, n], one product per head.
-struct StridedGemm {
-  int m, n, k;
-  bool transpose_a;
-  const void* a;
-  int64_t lda, stride_a;
-  const void* b;
-  int64_t ldb, stride_b;
-  void* c;
-  int64_t ldc, stride_c;
-  int batch;
-};
-
-cublasStatus_t run(cublasHandle_t handle, const StridedGemm& g, cudaDataType operand_type,
+cublasStatus_t run(const GemmContext& ctx, const StridedGemm& g, cudaDataType operand_type,
                    cudaDataType out_type) {
   if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
+  const cublasStatus_t lt = ctx.plans->run(g, operand_type, out_type, ctx.stream);
+  if (lt != CUBLAS_STATUS_NOT_SUPPORTED) return lt;
   const float alpha = 1.0f, beta = 0.0f;
   return cublasGemmStridedBatchedEx(
-      handle, g.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, g.m, g.n, g.k, &alpha, g.a,
-      operand_type, int(g.lda), g.stride_a, g.b, operand_type, int(g.ldb), g.stride_b, &beta, g.c,
-      out_type, int(g.ldc), g.stride_c, g.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      ctx.cublas, g.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, g.m, g.n, g.k, &alpha,
+      g.a, operand_type, int(g.lda), g.stride_a, g.b, operand_type, int(g.ldb), g.stride_b, &beta,
+      g.c, out_type, int(g.ldc), g.stride_c, g.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 bool fits_int(int64_t v) {
@@ -44,7 +34,7 @@ bool fits_int(int64_t v) {
 
 }  // namespace
 
-cublasStatus_t gemm_absorb_q(cublasHandle_t handle, const ProjectionDims& d,
+cublasStatus_t gemm_absorb_q(const GemmContext& ctx, const ProjectionDims& d,
                              cudaDataType operand_type, const void* q_nope, const void* w,
                              cudaDataType out_type, void* q_abs) {
   // Row-major per head: Q_abs[h] [T, d_c] = Q[h] [T, d_nope] · W_UK[h] [d_nope, d_c].
@@ -67,10 +57,10 @@ cublasStatus_t gemm_absorb_q(cublasHandle_t handle, const ProjectionDims& d,
                       int64_t(d.heads) * d.d_c,
                       d.d_c,
                       d.heads};
-  return run(handle, g, operand_type, out_type);
+  return run(ctx, g, operand_type, out_type);
 }
 
-cublasStatus_t gemm_up_project(cublasHandle_t handle, const ProjectionDims& d,
+cublasStatus_t gemm_up_project(const GemmContext& ctx, const ProjectionDims& d,
                                cudaDataType operand_type, const void* x, int64_t x_head_stride,
                                const void* w, int w_row_offset, int out_dim, cudaDataType out_type,
                                void* out) {
@@ -103,7 +93,7 @@ cublasStatus_t gemm_up_project(cublasHandle_t handle, const ProjectionDims& d,
                         .ldc = int64_t(d.heads) * out_dim,
                         .stride_c = 0,
                         .batch = 1};
-    return run(handle, g, operand_type, out_type);
+    return run(ctx, g, operand_type, out_type);
   }
   const StridedGemm g{out_dim,
                       int(d.rows),
@@ -119,7 +109,7 @@ cublasStatus_t gemm_up_project(cublasHandle_t handle, const ProjectionDims& d,
                       int64_t(d.heads) * out_dim,
                       out_dim,
                       d.heads};
-  return run(handle, g, operand_type, out_type);
+  return run(ctx, g, operand_type, out_type);
 }
 
 namespace {

@@ -1,6 +1,6 @@
-// MLA projections as per-head strided-batched cuBLAS GEMMs (cublasGemmStridedBatchedEx, fp32
-// accumulation, batch = heads). Operands are bf16 or f32 (A and B share one type, as cuBLAS
-// requires); outputs bf16 or f32.
+// MLA projections as per-head strided-batched GEMMs (batch = heads, fp32 accumulation) through
+// cuBLASLt plans (gemm_plans.h), or cublasGemmStridedBatchedEx for a shape cuBLASLt has no
+// algorithm for. Operands are bf16 or f32 (A and B share one type); outputs bf16 or f32.
 //
 // kv_b_proj W is row-major [H·(d_nope + d_v), d_c]. Head h's W_UK[h] [d_nope, d_c] is rows
 // h·(d_nope+d_v) … + d_nope, W_UV[h] [d_v, d_c] the d_v rows after it; the head stride is
@@ -15,7 +15,16 @@
 
 #include <cstdint>
 
+#include "src/cuda/gemm/gemm_plans.h"
+
 namespace dsakit::cuda {
+
+// Where a projection runs: the backend's plans, its cuBLAS handle (same stream) as the fallback.
+struct GemmContext {
+  GemmPlans* plans;
+  cublasHandle_t cublas;
+  cudaStream_t stream;
+};
 
 struct ProjectionDims {
   int64_t rows;  // T (query tokens) or N (kv rows)
@@ -26,7 +35,7 @@ struct ProjectionDims {
 };
 
 // q_abs[t,h,:] = q_nope[t,h,:] · W_UK[h]:  q_nope [T, H, d_nope] -> q_abs [T, H, d_c].
-cublasStatus_t gemm_absorb_q(cublasHandle_t handle, const ProjectionDims& dims,
+cublasStatus_t gemm_absorb_q(const GemmContext& ctx, const ProjectionDims& dims,
                              cudaDataType operand_type, const void* q_nope, const void* w,
                              cudaDataType out_type, void* q_abs);
 
@@ -34,7 +43,7 @@ cublasStatus_t gemm_absorb_q(cublasHandle_t handle, const ProjectionDims& dims,
 // out_dim d_nope; W_UV: offset d_nope, out_dim d_v; both at once: offset 0, out_dim
 // d_nope + d_v). x is [rows, H, d_c] (x_head_stride d_c) or
 // one [rows, d_c] vector shared by every head (x_head_stride 0); out is [rows, H, out_dim].
-cublasStatus_t gemm_up_project(cublasHandle_t handle, const ProjectionDims& dims,
+cublasStatus_t gemm_up_project(const GemmContext& ctx, const ProjectionDims& dims,
                                cudaDataType operand_type, const void* x, int64_t x_head_stride,
                                const void* w, int w_row_offset, int out_dim, cudaDataType out_type,
                                void* out);
