@@ -105,10 +105,11 @@ def test_layer_with_torch_tensors_writes_given_outputs(rng):
     lse = torch.empty_like(res.lse)
     res2 = s.layer.forward(batch, x, o=o, lse=lse)
     assert res2.o.data_ptr() == o.data_ptr() and torch.equal(o, res.o) and torch.equal(lse, res.lse)
-    # the kv pool over a torch tensor: the layer writes the tensor's memory
+    # the kv pool over a torch tensor: the layer writes the tensor's memory (pow2 scales, as
+    # Small's pool: wrap's default, amax, would quantize differently)
     cfg = s.cfg
     storage = torch.zeros(6 * 16, 656, dtype=torch.uint8)
-    kv = dsakit.KvPool.wrap(storage, "fp8", 16)
+    kv = dsakit.KvPool.wrap(storage, "fp8", 16, scale_policy="pow2")
     ix = dsakit.IndexPool(16, 6, d_i=cfg.index_head_dim)
     layer = dsakit.DsaAttention(cfg, kv, ix, tt(s.w))
     assert kv.storage is storage
