@@ -155,7 +155,7 @@ cublasStatus_t GemmPlans::make_plan(const Key& key, const StridedGemm& g, cudaDa
 cublasStatus_t GemmPlans::run(const StridedGemm& g, cudaDataType operand_type,
                               cudaDataType out_type, cudaStream_t stream) {
   if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
-  if (handle_ == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (handle_ == nullptr) return CUBLAS_STATUS_NOT_SUPPORTED;  // no cuBLASLt: the caller's cuBLAS
   const Key key{g.m,        g.n,   g.k,        g.transpose_a, g.lda,        g.stride_a, g.ldb,
                 g.stride_b, g.ldc, g.stride_c, g.batch,       operand_type, out_type};
   std::lock_guard<std::mutex> lock(mutex_);
@@ -190,3 +190,5 @@ cublasStatus_t GemmPlans::run(const StridedGemm& g, cudaDataType operand_type,
 }
 
 }  // namespace dsakit::cuda
+
+#undef DSAKIT_LT_TRY

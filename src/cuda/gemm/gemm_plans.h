@@ -7,7 +7,8 @@
 // once per size class (n rounded up to a power of two, the rest of the shape exact) over those
 // candidates and takes the fastest; the others take the heuristic's first choice. While the
 // stream is capturing a graph nothing is timed (the heuristic's first choice runs, and the shape
-// is planned again after the capture). Not thread-safe per stream; the plan cache is locked.
+// is planned again after the capture). Calls from several threads take turns (one lock over the
+// cache and the enqueue: a plan's descriptors are shared).
 #pragma once
 
 #include <cublasLt.h>
@@ -43,7 +44,8 @@ class GemmPlans {
   GemmPlans(const GemmPlans&) = delete;
   GemmPlans& operator=(const GemmPlans&) = delete;
 
-  // CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt offers no algorithm for the shape.
+  // CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt offers no algorithm for the shape (or could not be
+  // initialized): the caller runs it another way.
   cublasStatus_t run(const StridedGemm& g, cudaDataType operand_type, cudaDataType out_type,
                      cudaStream_t stream);
 
