@@ -1,5 +1,7 @@
 // CUDA attention kernels (sparse MLA, dense MHA) through the Backend interface against the
 // float64 reference, on random data. Skipped without a GPU.
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -16,6 +18,7 @@
 #include "src/cuda/attention/attention_ops.h"
 #include "src/cuda/attention/dense_mha_schedule.h"
 #include "src/cuda/attention/dispatch.h"
+#include "src/cuda/cuda_backend.h"
 #include "src/reference/reference.h"
 #include "tests/common/test_util.h"
 
@@ -926,6 +929,56 @@ TEST_F(CudaDenseMha, UnsupportedHeadDimsAreRejected) {
     EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
     EXPECT_NE(std::string(e.what()).find("d_nope"), std::string::npos) << e.what();
   }
+}
+
+// A schedule longer than the launch parameters carry is copied from host memory that lives for
+// the call only: while the stream captures a graph the op refuses it (a replay would read that
+// memory after it is gone), naming the limit; the same batch runs outside the capture (and the
+// "many" case above checks such a batch's values).
+TEST_F(CudaDenseMha, LongScheduleIsRefusedWhileCapturing) {
+  constexpr int kH = 2, kDn = 128, kDv = 128, kDr = 64;
+  const int requests = cuda::dense_mha::kDenseInlineTiles + 4;  // one token, one tile each
+  std::vector<int32_t> cu(size_t(requests) + 1);
+  for (int r = 0; r <= requests; ++r) cu[size_t(r)] = r;
+  Rng rng(testing::fresh_seed());
+  const auto input = [&](std::vector<int64_t> shape) {
+    return to_dev(testing::random_tensor(rng, DType::kBF16, shape));
+  };
+  const Tensor q_nope = input({requests, kH, kDn}), q_pe = input({requests, kH, kDr}),
+               k_nope = input({requests, kH, kDn}), k_pe = input({requests, kDr}),
+               v = input({requests, kH, kDv});
+  const Tensor cu_d = to_dev(host_i32(cu));
+  const Tensor o = poisoned(DType::kBF16, {requests, kH, kDv});
+  const Tensor lse = poisoned(DType::kF32, {requests, kH});
+  DenseMhaArgs a = dense_args(q_nope, q_pe, k_nope, k_pe, v, cu_d, cu_d, cu, cu, 0.1);
+  a.o = o.view();
+  a.lse = lse.view();
+  backend_->dense_mha(a);  // outside a capture: runs, every output written
+  const std::vector<double> eager = testing::to_double(backend_->to_host(o.view()));
+  EXPECT_TRUE(std::all_of(eager.begin(), eager.end(), [](double x) { return std::isfinite(x); }));
+
+  auto& gpu = static_cast<cuda::CudaBackend&>(*backend_);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  gpu.set_stream(stream);
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  ErrorKind kind = ErrorKind::kInternal;
+  std::string message = "no error";
+  try {
+    backend_->dense_mha(a);
+  } catch (const Error& e) {
+    kind = e.kind();
+    message = e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  cudaStreamEndCapture(stream, &graph);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  gpu.set_stream(nullptr);
+  cudaStreamDestroy(stream);
+  EXPECT_EQ(kind, ErrorKind::kUnsupported) << message;
+  EXPECT_NE(message.find("CUDA graph"), std::string::npos) << message;
+  EXPECT_NE(message.find(std::to_string(cuda::dense_mha::kDenseInlineTiles)), std::string::npos)
+      << message;
 }
 
 // A malformed DSAKIT_DENSE_HEAD_GROUP is an argument error naming the variable, before any

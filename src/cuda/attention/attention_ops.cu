@@ -250,6 +250,13 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
     std::copy(tiles.begin(), tiles.end(), params.inline_tiles);
     params.tiles = nullptr;
   } else {
+    // The copy's host source lives for this call only: a graph replay would read it after.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capture), "cuda dense_mha: cudaStreamIsCapturing");
+    DSAKIT_CHECK(capture == cudaStreamCaptureStatusNone, kUnsupported, kOp, ": a schedule of ",
+                 tiles.size(), " tiles (more than the ", kDenseInlineTiles,
+                 " its launch parameters carry) cannot be captured into a CUDA graph; run this "
+                 "batch outside the capture or capture fewer query tiles");
     const size_t bytes = tiles.size() * sizeof(DenseTile);
     auto* device_tiles = static_cast<DenseTile*>(scratch(bytes));
     status = cudaMemcpyAsync(device_tiles, tiles.data(), bytes, cudaMemcpyHostToDevice, stream);
