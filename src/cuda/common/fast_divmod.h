@@ -5,6 +5,7 @@
 // because n < 2^31). Host and device; the kernels take it in their POD parameters.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 
 #ifdef __CUDACC__
@@ -21,8 +22,7 @@ struct FastDivmod {
   uint32_t shift = 0;
 
   FastDivmod() = default;
-  explicit FastDivmod(uint32_t d) : divisor(d) {
-    while ((uint64_t(1) << shift) < d) ++shift;
+  explicit FastDivmod(uint32_t d) : divisor(d), shift(uint32_t(std::bit_width(d - 1))) {
     magic = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1);
   }
 

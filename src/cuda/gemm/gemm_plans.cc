@@ -1,5 +1,6 @@
 #include "src/cuda/gemm/gemm_plans.h"
 
+#include <bit>
 #include <vector>
 
 namespace dsakit::cuda {
@@ -23,12 +24,6 @@ int32_t config_attr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAt
 bool single_pass(const cublasLtMatmulAlgo_t& algo) {
   return config_attr(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == 1 &&
          config_attr(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) == CUBLASLT_REDUCTION_SCHEME_NONE;
-}
-
-int64_t round_up_pow2(int64_t n) {
-  int64_t p = 1;
-  while (p < n) p *= 2;
-  return p;
 }
 
 }  // namespace
@@ -105,7 +100,7 @@ cublasStatus_t GemmPlans::make_plan(const Key& key, const StridedGemm& g, cudaDa
   if (g.batch != 1 || flop < kTuneMinFlop || candidates.size() < 2 || !single_pass(results[0].algo))
     return CUBLAS_STATUS_SUCCESS;
   Key size_class = key;
-  size_class[1] = round_up_pow2(g.n);
+  size_class[1] = int64_t(std::bit_ceil(uint64_t(g.n)));
   if (const auto it = timed_.find(size_class); it != timed_.end()) {
     cublasLtMatmulHeuristicResult_t check{};
     if (cublasLtMatmulAlgoCheck(handle_, plan.op, plan.a, plan.b, plan.c, plan.c, &it->second,
