@@ -29,4 +29,14 @@ TokenStore uniform_token_store(const ModelConfig& config, const std::vector<int3
 // Random kv_b_proj bf16 [H*(d_nope+d_v), d_c] on the host, scaled ~1/sqrt(d_c).
 Tensor random_kv_b_proj(const ModelConfig& config, uint64_t seed);
 
+// A random kv_b_proj in its FP8 checkpoint form (Fp8BlockWeights, on the host) and the same
+// weights in bf16: power-of-two block scales (~1/sqrt(d_c) over e4m3's range), so every
+// e4m3(code) · scale is a bf16 value and `bf16` holds W exactly.
+struct Fp8KvBProj {
+  Tensor codes;   // u8  [H*(d_nope+d_v), d_c]
+  Tensor scales;  // f32 [ceil(rows / 128), d_c / 128]
+  Tensor bf16;    // bf16 [H*(d_nope+d_v), d_c], = e4m3(codes) · scales exactly
+};
+Fp8KvBProj random_fp8_kv_b_proj(const ModelConfig& config, uint64_t seed);
+
 }  // namespace dsakit

@@ -25,6 +25,8 @@ struct Capabilities {
   // up_proj_kv and dense_mha also take k_nope / v as the two halves of one [N, H, d_nope + d_v]
   // buffer (kv_halves()): the up-projection is then one GEMM instead of two.
   bool kv_halves = false;
+  // up_proj_kv_fp8 exists: the K/V up-projection as an FP8 GEMM on an FP8 pool's codes.
+  bool fp8_up_proj = false;
   // (d_nope, d_rope, d_v) the dense kernels are compiled for; empty: any (the CPU backend).
   std::vector<std::array<int, 3>> dense_head_dims;
   // The compiled kernel instances, one line per kernel family (`dsakit info`); empty: any shape.
@@ -42,6 +44,15 @@ struct KvHalves {
 KvHalves kv_halves(const TensorView& kv, int64_t d_nope);
 // True when (k_nope, v) are laid out as kv_halves() makes them (and not contiguous tensors).
 bool are_kv_halves(const TensorView& k_nope, const TensorView& v);
+
+// kv_b_proj as an FP8 checkpoint stores it (DeepSeek-V3's block-quantized linear weights): e4m3
+// codes and one f32 scale per 128 x 128 block, W[r, c] = e4m3(codes[r, c]) · scales[r / 128,
+// c / 128] (docs/formats.md#fp8-weights).
+struct Fp8BlockWeights {
+  TensorView codes;   // u8  [H*(d_nope+d_v), d_c]  e4m3 bytes, rows as kv_b_proj's
+  TensorView scales;  // f32 [ceil(H*(d_nope+d_v) / 128), d_c / 128]
+  bool defined() const { return codes.ndim != 0; }
+};
 
 // Indexer (docs/design.md, "Lightning indexer") over the index-key pool. Scores of token t cover
 // positions 0 … ctx_len[t]-1 of its request, whose locations are kv_locs[kv_start[t] + p].
@@ -242,6 +253,14 @@ class Backend {
   // c_kv [N, d_c] -> k_nope [N, H, d_nope], v [N, H, d_v].
   virtual void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj,
                           const TensorView& k_nope, const TensorView& v) = 0;
+  // The same for the FP8 pool rows at locs i32 [N] (fp8 or fp8-raw layout) and FP8 weights,
+  // without dequantizing either: k_nope[n,h,j] = Σ_c x[n,c] · W[h (d_nope+d_v) + j, c] with
+  // x[n,c] = e4m3(code) · its tile scale (k_scale for fp8-raw) and W as Fp8BlockWeights defines
+  // it, summed in f32; k_pe [N, d_rope] as gather_kv writes it. d_c a multiple of 128. Backends
+  // with Capabilities::fp8_up_proj; the others throw Error(kUnsupported).
+  virtual void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs,
+                              const Fp8BlockWeights& kv_b_proj, const TensorView& k_nope,
+                              const TensorView& v, const TensorView& k_pe);
 
   // ---- attention ----------------------------------------------------------------------
   virtual void sparse_mla(const SparseMlaArgs& args) = 0;

@@ -37,6 +37,7 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.dense_mha = sm_arch == 90 || sm_arch == 100;  // docs/dispatch.md, rule 3
   c.dense_kv_visible = false;
   c.kv_halves = true;
+  c.fp8_up_proj = sm_arch == 90;  // cuBLASLt's block-scaled FP8 GEMM: Hopper only
   c.intermediate_dtype = DType::kBF16;
   // Every figure below comes from the one table of compiled instances.
 #define DSAKIT_X(kNope, kRope, kV) c.dense_head_dims.push_back({kNope, kRope, kV});
@@ -112,6 +113,12 @@ void Backend::store_tokens(PagedKvPool& kv, IndexKeyPool& index, const TensorVie
   validate::store_index_keys(index, locs, idx_k, device(), host_locs.data);
   store_kv(kv, locs, c_kv, k_pe);
   store_index_keys(index, locs, idx_k);
+}
+
+void Backend::up_proj_kv_fp8(const PagedKvPool&, const TensorView&, const Fp8BlockWeights&,
+                             const TensorView&, const TensorView&, const TensorView&) {
+  DSAKIT_FAIL(kUnsupported, "up_proj_kv_fp8: not implemented by the ", to_string(device()),
+              " backend");
 }
 
 void Backend::select_rows(const TensorView&, const TensorView&, const TensorView&) {

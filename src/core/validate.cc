@@ -222,6 +222,34 @@ void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const Tenso
   check_kv_b_proj(kv_b_proj, dev, h, k_nope.shape[2], v.shape[2], dc);
 }
 
+void fp8_block_weights(const Fp8BlockWeights& w, Device dev, int64_t rows, int64_t d_c) {
+  DSAKIT_CHECK_ARG(d_c % kFp8TileSize == 0, "kv_b_proj_fp8: d_c must be a multiple of ",
+                   kFp8TileSize, " for 128 x 128 block scales, got ", d_c);
+  check_tensor(w.codes, "kv_b_proj_fp8.codes", DType::kU8, dev, {rows, d_c});
+  check_tensor(w.scales, "kv_b_proj_fp8.scales", DType::kF32, dev,
+               {(rows + kFp8TileSize - 1) / kFp8TileSize, d_c / kFp8TileSize});
+}
+
+void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs, const Fp8BlockWeights& w,
+                    const TensorView& k_nope, const TensorView& v, const TensorView& k_pe,
+                    Device dev, const int32_t* host_locs, bool kv_halves_ok) {
+  DSAKIT_CHECK_ARG(pool.device() == dev, "up_proj_kv_fp8: pool lives on ", to_string(pool.device()),
+                   ", backend on ", to_string(dev));
+  const auto& d = pool.desc();
+  DSAKIT_CHECK(d.layout != KvLayout::kBf16, kLayoutMismatch,
+               "up_proj_kv_fp8: the pool's layout is bf16; the FP8 up-projection reads fp8 or "
+               "fp8-raw pools (up_proj_kv takes the gathered bf16 rows)");
+  check_tensor(locs, "locs", DType::kI32, dev, {-1});
+  const int64_t n = locs.shape[0];
+  const KvViews kv = kv_for_checks(k_nope, v, kv_halves_ok);
+  check_tensor(kv.k_nope, "k_nope", kFloat, dev, {n, -1, -1});
+  const int64_t h = k_nope.shape[1];
+  check_tensor(kv.v, "v", kFloat, dev, {n, h, -1});
+  check_tensor(k_pe, "k_pe", kFloat, dev, {n, d.d_rope});
+  fp8_block_weights(w, dev, h * (k_nope.shape[2] + v.shape[2]), d.d_c);
+  check_locs_values(host_locs, n, d.num_locations(), "locs", false);
+}
+
 void sparse_mla(const SparseMlaArgs& a, Device dev) {
   DSAKIT_CHECK_ARG(a.kv != nullptr, "sparse_mla: kv pool is null");
   DSAKIT_CHECK_ARG(a.kv->device() == dev, "sparse_mla: kv pool lives on ",

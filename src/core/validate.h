@@ -44,6 +44,12 @@ void up_proj_v(const TensorView& o_lat, const TensorView& kv_b_proj, int d_nope,
 // with Capabilities::kv_halves; otherwise both must be contiguous.
 void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const TensorView& k_nope,
                 const TensorView& v, Device dev, bool kv_halves_ok = false);
+// Fp8BlockWeights of a [rows, d_c] kv_b_proj (d_c a multiple of 128).
+void fp8_block_weights(const Fp8BlockWeights& w, Device dev, int64_t rows, int64_t d_c);
+// An fp8 or fp8-raw pool; k_nope / v as in up_proj_kv, k_pe as in gather_kv.
+void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs, const Fp8BlockWeights& w,
+                    const TensorView& k_nope, const TensorView& v, const TensorView& k_pe,
+                    Device dev, const int32_t* host_locs, bool kv_halves_ok = false);
 void sparse_mla(const SparseMlaArgs& a, Device dev);
 void dense_mha(const DenseMhaArgs& a, Device dev, bool kv_halves_ok = false);
 // host_*: host copies (nullptr skips value checks). Checks kv_start[t] + ctx_len[t] <= N_kv.

@@ -29,6 +29,7 @@ class CpuBackend final : public Backend {
     caps_.device_name = "cpu (" + std::to_string(ctx_.threads) + " threads)";
     caps_.sm_arch = 0;
     caps_.dense_mha = true;
+    caps_.fp8_up_proj = true;
     caps_.dense_kv_visible = true;
     caps_.intermediate_dtype = DType::kF32;
   }
@@ -157,6 +158,12 @@ class CpuBackend final : public Backend {
                   const TensorView& v) override {
     validate::up_proj_kv(c_kv, kv_b_proj, k_nope, v, Device::kCpu);
     cpu::up_proj_kv(ctx_, c_kv, kv_b_proj, k_nope, v);
+  }
+  void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs, const Fp8BlockWeights& w,
+                      const TensorView& k_nope, const TensorView& v,
+                      const TensorView& k_pe) override {
+    validate::up_proj_kv_fp8(pool, locs, w, k_nope, v, k_pe, Device::kCpu, host_i32(locs));
+    cpu::up_proj_kv_fp8(ctx_, pool, locs, w, k_nope, v, k_pe);
   }
 
   void sparse_mla(const SparseMlaArgs& a) override {

@@ -41,6 +41,9 @@ void up_proj_v(const CpuContext& ctx, const TensorView& o_lat, const TensorView&
                int d_nope, const TensorView& o);
 void up_proj_kv(const CpuContext& ctx, const TensorView& c_kv, const TensorView& kv_b_proj,
                 const TensorView& k_nope, const TensorView& v);
+void up_proj_kv_fp8(const CpuContext& ctx, const PagedKvPool& pool, const TensorView& locs,
+                    const Fp8BlockWeights& w, const TensorView& k_nope, const TensorView& v,
+                    const TensorView& k_pe);
 
 // attention/sparse_mla.cc, attention/dense_mha.cc, attention/merge.cc
 void sparse_mla(const CpuContext& ctx, const SparseMlaArgs& args);

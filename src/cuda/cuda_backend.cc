@@ -613,6 +613,65 @@ void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj
   finish_projection(ops, {&k_nope, &v});
 }
 
+void CudaBackend::up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs,
+                                 const Fp8BlockWeights& w, const TensorView& k_nope,
+                                 const TensorView& v, const TensorView& k_pe) {
+  activate();
+  const HostIndexValues host_locs = host_index_values(locs);
+  validate::up_proj_kv_fp8(pool, locs, w, k_nope, v, k_pe, Device::kCuda, host_locs.data,
+                           /*kv_halves_ok=*/true);
+  DSAKIT_CHECK(are_kv_halves(k_nope, v) && k_nope.dtype == DType::kBF16, kUnsupported,
+               "cuda up_proj_kv_fp8: k_nope / v must be the bf16 halves of one [N, H, d_nope + "
+               "d_v] buffer (kv_halves)");
+  const KvPoolDesc& d = pool.desc();
+  DSAKIT_CHECK(d.d_c % (4 * kFp8TileSize) == 0, kUnsupported,
+               "cuda up_proj_kv_fp8: d_c must be a multiple of 512 (cuBLASLt takes 128 x 128 block "
+               "scales in groups of 4 along d_c), got ",
+               d.d_c);
+  const int64_t n = locs.numel();
+  if (n == 0) return;
+  // cuBLASLt reads x's scales as [d_c / 128][rows] with rows a multiple of 4: the first n_main
+  // rows in one GEMM straight into k_nope's buffer, the last n % 4 (zero-padded to 4) into a
+  // 4-row scratch copied after it.
+  const int64_t n_main = n / 4 * 4, tiles = d.d_c / kFp8TileSize;
+  const int64_t m = k_nope.shape[1] * (k_nope.shape[2] + v.shape[2]);
+  const Tensor codes = empty(DType::kU8, {(n + 3) / 4 * 4, d.d_c});
+  const Tensor scales = empty(DType::kF32, {tiles, std::max<int64_t>(n_main, 1)});
+  const Tensor tail_scales = empty(DType::kF32, {tiles, 4});
+  const GatherKvCodesParams p{locs.ptr<const int32_t>(),
+                              pool.storage().ptr<const uint8_t>(),
+                              codes.ptr<uint8_t>(),
+                              scales.ptr<float>(),
+                              tail_scales.ptr<float>(),
+                              k_pe.data,
+                              k_pe.dtype == DType::kF32,
+                              n,
+                              d.num_locations(),
+                              d.row(),
+                              d.k_scale};
+  DSAKIT_CUDA_CHECK(launch_gather_kv_codes(p, stream_));
+  ProjectionDims dims{n_main, int(k_nope.shape[1]), int(k_nope.shape[2]), int(v.shape[2]),
+                      int(d.d_c)};
+  const auto project = [&](const void* x, const float* x_scales, void* out) {
+    const cublasStatus_t status = gemm_up_project_fp8(
+        gemm_context(), dims, x, x_scales, w.codes.data, w.scales.ptr<const float>(), out);
+    DSAKIT_CHECK(status != CUBLAS_STATUS_NOT_SUPPORTED, kUnsupported,
+                 "cuda up_proj_kv_fp8: this cuBLASLt has no block-scaled FP8 GEMM for ", dims.rows,
+                 " x ", m, " x ", d.d_c, " on this device (it needs sm_90 and CUDA >= 12.9)");
+    DSAKIT_CUBLAS_CHECK(status);
+  };
+  if (n_main > 0) project(codes.ptr<const uint8_t>(), scales.ptr<const float>(), k_nope.data);
+  if (n_main < n) {
+    const Tensor tail = empty(DType::kBF16, {4, m});
+    dims.rows = 4;
+    project(codes.ptr<const uint8_t>() + n_main * d.d_c, tail_scales.ptr<const float>(),
+            tail.ptr<bf16_t>());
+    DSAKIT_CUDA_CHECK(cudaMemcpyAsync(
+        static_cast<bf16_t*>(k_nope.data) + n_main * m, tail.ptr<const bf16_t>(),
+        size_t((n - n_main) * m) * sizeof(bf16_t), cudaMemcpyDeviceToDevice, stream_));
+  }
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 void CudaBackend::sparse_mla(const SparseMlaArgs& args) {

@@ -124,6 +124,9 @@ class CudaBackend final : public Backend {
                  const TensorView& o) override;
   void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const TensorView& k_nope,
                   const TensorView& v) override;
+  void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs, const Fp8BlockWeights& w,
+                      const TensorView& k_nope, const TensorView& v,
+                      const TensorView& k_pe) override;
 
   void sparse_mla(const SparseMlaArgs& args) override;
   void dense_mha(const DenseMhaArgs& args) override;

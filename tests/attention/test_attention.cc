@@ -16,9 +16,11 @@
 
 #include "dsakit/backend.h"
 #include "dsakit/batch.h"
+#include "dsakit/config.h"
 #include "dsakit/error.h"
 #include "src/reference/reference.h"
 #include "tests/common/test_util.h"
+#include "tools/harness.h"
 
 namespace dsakit {
 namespace {
@@ -243,6 +245,112 @@ TEST_P(ProjectionTest, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(Models, ProjectionTest, ::testing::ValuesIn(kAllDims),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// ---- the FP8 K/V up-projection -----------------------------------------------------------------
+
+// up_proj_kv_fp8 on every backend that has it, against the float64 reference of the same pool
+// values and weights: both FP8 layouts (fp8 with amax and pow2 tile scales, fp8-raw), row counts
+// on either side of a multiple of 4 (cuBLASLt takes the last n % 4 rows apart), repeated
+// locations; then the refusals (a bf16 pool, a wrong scale shape) before anything is written.
+TEST(Fp8UpProjection, MatchesReference) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Rng rng(seed);
+  int ran = 0;
+  for (const std::string& name : testing::test_backends()) {
+    SCOPED_TRACE("backend " + name);
+    std::unique_ptr<Backend> b = make_backend(name);
+    if (!b->capabilities().fp8_up_proj) continue;
+    ++ran;
+    const DType mid = b->capabilities().intermediate_dtype;
+    const bool halves = b->capabilities().kv_halves && mid == DType::kBF16;
+    for (const ModelConfig& c : {ModelConfig::preset("deepseek-v3.2").with_tp(8),
+                                 ModelConfig::preset("glm-5").with_tp(4)}) {
+      const int h = c.num_heads, dn = c.qk_nope_head_dim, dv = c.v_head_dim;
+      SCOPED_TRACE(c.name);
+      const Fp8KvBProj w = random_fp8_kv_b_proj(c, rng.gen()());
+      const Tensor w_codes = b->to_device(w.codes), w_scales = b->to_device(w.scales);
+      const Fp8BlockWeights w_dev{w_codes, w_scales};
+      const Vec w_ref = reference::to_vec(w.bf16);
+      struct Layout {
+        KvLayout layout;
+        ScalePolicy policy;
+      };
+      for (const Layout l : {Layout{KvLayout::kFp8Scaled, ScalePolicy::kAmax},
+                             Layout{KvLayout::kFp8Scaled, ScalePolicy::kPow2},
+                             Layout{KvLayout::kFp8Raw, ScalePolicy::kAmax}}) {
+        KvPoolDesc desc;
+        desc.layout = l.layout;
+        desc.scale_policy = l.policy;
+        desc.page_size = 16;
+        desc.num_pages = 4;
+        desc.k_scale = 0.0625f;
+        const FilledPool f = make_filled_pool(*b, rng, desc);
+        const int d_qk = kDc + kDrope;
+        for (const int64_t n : {1, 6, 8, 13}) {
+          const std::string tag = std::string(to_string(l.layout)) + " " + to_string(l.policy) +
+                                  " n=" + std::to_string(n);
+          SCOPED_TRACE(tag);
+          std::vector<int32_t> locs(static_cast<size_t>(n));
+          for (auto& loc : locs) loc = int32_t(rng.gen()() % uint64_t(desc.num_locations()));
+          Vec c_ref, kpe_ref;
+          for (const int32_t loc : locs) {
+            const auto row = f.kv.begin() + int64_t(loc) * d_qk;
+            c_ref.insert(c_ref.end(), row, row + kDc);
+            kpe_ref.insert(kpe_ref.end(), row + kDc, row + d_qk);
+          }
+          Vec ref_k_nope, ref_v;
+          reference::up_proj_kv(c_ref, w_ref, n, h, dn, dv, kDc, ref_k_nope, ref_v);
+          const Tensor d_locs = b->to_device(host_i32(locs));
+          const Tensor k_pe = poisoned(*b, mid, {n, kDrope});
+          Vec k_nope_out, v_out;
+          if (halves) {
+            const Tensor kv = poisoned(*b, mid, {n, h, dn + dv});
+            const KvHalves kvh = kv_halves(kv, dn);
+            b->up_proj_kv_fp8(f.pool, d_locs, w_dev, kvh.k_nope, kvh.v, k_pe);
+            const Vec all = read(*b, kv);
+            for (int64_t rh = 0; rh < n * h; ++rh) {
+              const auto row = all.begin() + rh * (dn + dv);
+              k_nope_out.insert(k_nope_out.end(), row, row + dn);
+              v_out.insert(v_out.end(), row + dn, row + dn + dv);
+            }
+          } else {
+            const Tensor k_nope = poisoned(*b, mid, {n, h, dn});
+            const Tensor v = poisoned(*b, mid, {n, h, dv});
+            b->up_proj_kv_fp8(f.pool, d_locs, w_dev, k_nope, v, k_pe);
+            k_nope_out = read(*b, k_nope);
+            v_out = read(*b, v);
+          }
+          expect_rel_l2(k_nope_out, ref_k_nope, tolerance(mid), "k_nope " + tag);
+          expect_rel_l2(v_out, ref_v, tolerance(mid), "v " + tag);
+          expect_rel_l2(read(*b, k_pe), kpe_ref, tolerance(mid), "k_pe " + tag);
+        }
+        if (l.layout != KvLayout::kFp8Raw || c.num_heads != 16 || dn != 128) continue;
+        // Refusals: a wrong scale shape, a bf16 pool (the outputs stay poisoned).
+        const Tensor d_locs = b->to_device(host_i32({0, 1, 2}));
+        const Tensor kv = poisoned(*b, mid, {3, h, dn + dv});
+        const KvHalves kvh = halves ? kv_halves(kv, dn) : KvHalves{};
+        const Tensor k_nope = poisoned(*b, mid, {3, h, dn}), v = poisoned(*b, mid, {3, h, dv});
+        const TensorView out_k = halves ? kvh.k_nope : k_nope.view(),
+                         out_v = halves ? kvh.v : v.view();
+        const Tensor k_pe = poisoned(*b, mid, {3, kDrope});
+        const Tensor short_scales = b->to_device(Tensor::host(DType::kF32, {1, kDc / 128}));
+        expect_error_naming(
+            [&] {
+              b->up_proj_kv_fp8(f.pool, d_locs, {w_dev.codes, short_scales}, out_k, out_v, k_pe);
+            },
+            "kv_b_proj_fp8.scales");
+        KvPoolDesc bf16_desc = desc;
+        bf16_desc.layout = KvLayout::kBf16;
+        const PagedKvPool bf16_pool = b->make_kv_pool(bf16_desc);
+        expect_error_naming(
+            [&] { b->up_proj_kv_fp8(bf16_pool, d_locs, w_dev, out_k, out_v, k_pe); }, "bf16");
+        for (const double x : read(*b, k_pe)) EXPECT_TRUE(std::isnan(x));
+      }
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "no backend under test has up_proj_kv_fp8";
+}
 
 // ---- sparse MLA -------------------------------------------------------------------------------
 

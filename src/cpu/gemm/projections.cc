@@ -128,4 +128,26 @@ void up_proj_kv(const CpuContext& ctx, const TensorView& c_kv, const TensorView&
   project(v, d_nope, d_v);
 }
 
+// The FP8 form: the pool rows gathered into f32 (e4m3(code) · scale rounded to f32, as gather_kv
+// computes it) and W decoded to f32 (e4m3(code) · block scale), then the f32 GEMMs above.
+void up_proj_kv_fp8(const CpuContext& ctx, const PagedKvPool& pool, const TensorView& locs,
+                    const Fp8BlockWeights& w, const TensorView& k_nope, const TensorView& v,
+                    const TensorView& k_pe) {
+  const int64_t rows = locs.shape[0], d_c = pool.desc().d_c;
+  const Tensor latent = Tensor::host(DType::kF32, {rows, d_c});
+  gather_kv(ctx, pool, locs, latent, k_pe);
+  const int64_t w_rows = w.codes.shape[0], blocks = d_c / kFp8TileSize;
+  const Tensor weights = Tensor::host(DType::kF32, {w_rows, d_c});
+  const uint8_t* codes = w.codes.ptr<const uint8_t>();
+  const float* scales = w.scales.ptr<const float>();
+  float* out = weights.ptr<float>();
+  parallel_chunks(w_rows, ctx.threads, [&](int64_t begin, int64_t n) {
+    for (int64_t r = begin; r < begin + n; ++r)
+      for (int64_t c = 0; c < d_c; ++c)
+        out[r * d_c + c] = e4m3_to_f32(codes[r * d_c + c]) *
+                           scales[(r / kFp8TileSize) * blocks + c / kFp8TileSize];
+  });
+  up_proj_kv(ctx, latent, weights, k_nope, v);
+}
+
 }  // namespace dsakit::cpu

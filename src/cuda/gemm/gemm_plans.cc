@@ -26,6 +26,20 @@ bool single_pass(const cublasLtMatmulAlgo_t& algo) {
          config_attr(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) == CUBLASLT_REDUCTION_SCHEME_NONE;
 }
 
+// The block-scale modes and this call's scale pointers (a kept plan's descriptor gets each call's).
+cublasStatus_t set_block_scales(cublasLtMatmulDesc_t op, const StridedGemm& g) {
+  const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  const int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  DSAKIT_LT_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
+                                               sizeof(a_mode)));
+  DSAKIT_LT_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
+                                               sizeof(b_mode)));
+  DSAKIT_LT_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                               &g.a_block_scales, sizeof(g.a_block_scales)));
+  return cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.b_k_scales,
+                                        sizeof(g.b_k_scales));
+}
+
 }  // namespace
 
 GemmPlans::GemmPlans(void* workspace, size_t workspace_bytes)
@@ -56,6 +70,7 @@ cublasStatus_t GemmPlans::make_plan(const Key& key, const StridedGemm& g, cudaDa
       cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   DSAKIT_LT_TRY(
       cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  if (g.a_block_scales != nullptr) DSAKIT_LT_TRY(set_block_scales(plan.op, g));
   // A as stored: column-major [k, m] when transposed, else [m, k].
   DSAKIT_LT_TRY(cublasLtMatrixLayoutCreate(&plan.a, operand_type, g.transpose_a ? g.k : g.m,
                                            g.transpose_a ? g.m : g.k, g.lda));
@@ -151,6 +166,11 @@ cublasStatus_t GemmPlans::run(const StridedGemm& g, cudaDataType operand_type,
                               cudaDataType out_type, cudaStream_t stream) {
   if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
   if (handle_ == nullptr) return CUBLAS_STATUS_NOT_SUPPORTED;  // no cuBLASLt: the caller's cuBLAS
+  const bool scaled = g.a_block_scales != nullptr || g.b_k_scales != nullptr;
+  if (scaled != (operand_type == CUDA_R_8F_E4M3) ||
+      (scaled &&
+       (g.a_block_scales == nullptr || g.b_k_scales == nullptr || !g.transpose_a || g.batch != 1)))
+    return CUBLAS_STATUS_INVALID_VALUE;
   const Key key{g.m,        g.n,   g.k,        g.transpose_a, g.lda,        g.stride_a, g.ldb,
                 g.stride_b, g.ldc, g.stride_c, g.batch,       operand_type, out_type};
   std::lock_guard<std::mutex> lock(mutex_);
@@ -174,6 +194,13 @@ cublasStatus_t GemmPlans::run(const StridedGemm& g, cudaDataType operand_type,
       unkept = Plan{};
     } else {
       plan = &unkept;
+    }
+  }
+  if (scaled) {
+    if (const cublasStatus_t status = set_block_scales(plan->op, g);
+        status != CUBLAS_STATUS_SUCCESS) {
+      destroy(unkept);
+      return status;
     }
   }
   const float alpha = 1.0f, beta = 0.0f;

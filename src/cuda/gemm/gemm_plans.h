@@ -1,6 +1,7 @@
 // Column-major strided-batched GEMMs through cuBLASLt, C = op(A) · B per batch entry, fp32
-// accumulation (CUBLAS_COMPUTE_32F; A and B of one type, bf16 or f32; C bf16 or f32), with each
-// shape's plan (matmul descriptor, layouts, algorithm) built once and kept.
+// accumulation (CUBLAS_COMPUTE_32F; A and B of one type, bf16 or f32, or e4m3 with block scales;
+// C bf16 or f32), with each shape's plan (matmul descriptor, layouts, algorithm) built once and
+// kept.
 //
 // The algorithm: cuBLASLt's heuristic candidates without split-K (their sums run over k in one
 // order, as the heuristic's first choice does). A single GEMM of at least kTuneMinFlop is timed
@@ -31,6 +32,12 @@ struct StridedGemm {
   void* c;
   int64_t ldc, stride_c;
   int batch;
+  // e4m3 operands (operand type CUDA_R_8F_E4M3, transposed A, batch 1) with DeepSeek-style
+  // block scales (cuBLASLt's, sm_90): A's one f32 per 128 x 128 block, row-major [ceil(m / 128)]
+  // [k / 128] (k / 128 a multiple of 4), and B's one per 128 values of k, k-block-major
+  // [k / 128][n] (n a multiple of 4). Null for the other types.
+  const float* a_block_scales = nullptr;
+  const float* b_k_scales = nullptr;
 };
 
 class GemmPlans {

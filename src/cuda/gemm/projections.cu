@@ -15,12 +15,13 @@ const void* offset(const void* p, int64_t elements, cudaDataType type) {
   return static_cast<const char*>(p) + elements * int64_t(type_size(type));
 }
 
-// Column-major C[m, n] (ldc, stride_c) = op(A)[m, k] · B[k, n], one product per head.
+// Column-major C[m, n] (ldc, stride_c) = op(A)[m, k] · B[k, n], one product per head; cuBLAS
+// where cuBLASLt has no plan (not for block-scaled FP8, which cuBLAS does not take).
 cublasStatus_t run(const GemmContext& ctx, const StridedGemm& g, cudaDataType operand_type,
                    cudaDataType out_type) {
   if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
   const cublasStatus_t lt = ctx.plans->run(g, operand_type, out_type, ctx.stream);
-  if (lt != CUBLAS_STATUS_NOT_SUPPORTED) return lt;
+  if (lt != CUBLAS_STATUS_NOT_SUPPORTED || g.a_block_scales != nullptr) return lt;
   const float alpha = 1.0f, beta = 0.0f;
   return cublasGemmStridedBatchedEx(
       ctx.cublas, g.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, g.m, g.n, g.k, &alpha,
@@ -30,6 +31,27 @@ cublasStatus_t run(const GemmContext& ctx, const StridedGemm& g, cudaDataType op
 
 bool fits_int(int64_t v) {
   return v >= 0 && v <= INT32_MAX;
+}
+
+// The K/V up-projection as one GEMM (x [rows, d_c] shared by every head, each head's whole
+// block of W): the heads' A blocks are consecutive (stride (d_nope + d_v)·d_c) and so are their C
+// columns, so the batch over heads is Out^T [H·(d_nope + d_v), rows] = W · X^T [d_c, rows].
+StridedGemm whole_up_projection(const ProjectionDims& d, const void* x, const void* w, void* out) {
+  const int64_t m = int64_t(d.heads) * (d.d_nope + d.d_v);
+  return {.m = int(m),
+          .n = int(d.rows),
+          .k = d.d_c,
+          .transpose_a = true,
+          .a = w,
+          .lda = d.d_c,
+          .stride_a = 0,
+          .b = x,
+          .ldb = d.d_c,
+          .stride_b = 0,
+          .c = out,
+          .ldc = m,
+          .stride_c = 0,
+          .batch = 1};
 }
 
 }  // namespace
@@ -74,26 +96,10 @@ cublasStatus_t gemm_up_project(const GemmContext& ctx, const ProjectionDims& d,
   if (!fits_int(d.rows) || !fits_int(x_row_stride) || !fits_int(int64_t(d.heads) * out_dim))
     return CUBLAS_STATUS_INVALID_VALUE;
   if (x_head_stride == 0 && w_row_offset == 0 && out_dim == d.d_nope + d.d_v) {
-    // One input shared by every head and each head's whole block of W: the heads' A blocks are
-    // consecutive (stride out_dim·d_c) and so are their C columns (offset out_dim), so the batch
-    // is one GEMM: Out^T [H·out_dim, rows] = W [H·out_dim, d_c] · X^T [d_c, rows]. cuBLAS tiles
+    // One input shared by every head and each head's whole block of W: one GEMM. cuBLAS tiles
     // one tall product far better than H thin ones (H200, GLM-5 K/V of 2K positions: see
     // docs/perf.md).
-    const StridedGemm g{.m = d.heads * out_dim,
-                        .n = int(d.rows),
-                        .k = d.d_c,
-                        .transpose_a = true,
-                        .a = w,
-                        .lda = d.d_c,
-                        .stride_a = 0,
-                        .b = x,
-                        .ldb = d.d_c,
-                        .stride_b = 0,
-                        .c = out,
-                        .ldc = int64_t(d.heads) * out_dim,
-                        .stride_c = 0,
-                        .batch = 1};
-    return run(ctx, g, operand_type, out_type);
+    return run(ctx, whole_up_projection(d, x, w, out), operand_type, out_type);
   }
   const StridedGemm g{out_dim,
                       int(d.rows),
@@ -145,6 +151,19 @@ cudaError_t launch_f32_to_bf16(const float* in, void* out, int64_t n, cudaStream
   if (n == 0) return cudaSuccess;
   f32_to_bf16_kernel<<<cast_blocks(n), kCastThreads, 0, stream>>>(in, static_cast<bf16_t*>(out), n);
   return cudaGetLastError();
+}
+
+cublasStatus_t gemm_up_project_fp8(const GemmContext& ctx, const ProjectionDims& d, const void* x,
+                                   const float* x_scales, const void* w, const float* w_scales,
+                                   void* out) {
+  // gemm_up_project's one-GEMM form, with W's 128 x 128 block scales on A and X's per-128
+  // scales on B.
+  if (!fits_int(d.rows) || !fits_int(int64_t(d.heads) * (d.d_nope + d.d_v)) || d.rows % 4 != 0)
+    return CUBLAS_STATUS_INVALID_VALUE;
+  StridedGemm g = whole_up_projection(d, x, w, out);
+  g.a_block_scales = w_scales;
+  g.b_k_scales = x_scales;
+  return run(ctx, g, CUDA_R_8F_E4M3, CUDA_R_16BF);
 }
 
 }  // namespace dsakit::cuda

@@ -48,6 +48,15 @@ cublasStatus_t gemm_up_project(const GemmContext& ctx, const ProjectionDims& dim
                                const void* w, int w_row_offset, int out_dim, cudaDataType out_type,
                                void* out);
 
+// The K/V up-projection in FP8: out[r, :] = W · x[r, :] for rows r of x u8 (e4m3) [rows, d_c]
+// (rows a multiple of 4), every head's whole W block at once, with the block scales StridedGemm
+// describes — w_scales W's [ceil(H·(d_nope + d_v) / 128)][d_c / 128], x_scales
+// [d_c / 128][rows]; out bf16 [rows, H·(d_nope + d_v)]. CUBLAS_STATUS_NOT_SUPPORTED where cuBLASLt
+// has no block-scaled FP8 GEMM (before sm_90, before CUDA 12.9).
+cublasStatus_t gemm_up_project_fp8(const GemmContext& ctx, const ProjectionDims& dims,
+                                   const void* x, const float* x_scales, const void* w,
+                                   const float* w_scales, void* out);
+
 // Elementwise dtype conversions for operand staging (bf16 -> f32 exact; f32 -> bf16 RNE).
 cudaError_t launch_bf16_to_f32(const void* in, float* out, int64_t n, cudaStream_t stream);
 cudaError_t launch_f32_to_bf16(const float* in, void* out, int64_t n, cudaStream_t stream);

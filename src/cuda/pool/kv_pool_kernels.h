@@ -37,6 +37,26 @@ struct GatherKvParams {
   float k_scale;  // fp8-raw only
 };
 
+// FP8 pool rows as a block-scaled FP8 GEMM reads them (up_proj_kv_fp8): rows [0, n_padded),
+// n_padded = n rounded up to 4, n_main = n rounded down to 4. codes u8 [n_padded, d_c]: row r < n
+// the row's d_c latent codes as stored, zeros past n or for an invalid location. Scales f32 per
+// 128-column tile, tile-major in two parts: row r < n_main at scales[b * n_main + r], row
+// n_main <= r < n_padded at tail_scales[b * 4 + r - n_main] (tile scale, k_scale for fp8-raw;
+// 0 past n or for an invalid location). k_pe as GatherKvParams::k_pe.
+struct GatherKvCodesParams {
+  const int32_t* locs;  // [n] pool locations
+  const uint8_t* rows;  // [num_locations, row.bytes_per_token()], an fp8 or fp8-raw layout
+  uint8_t* codes;
+  float* scales;
+  float* tail_scales;
+  void* k_pe;  // [n, d_rope] f32 if k_pe_f32 else bf16
+  bool k_pe_f32;
+  int64_t n;
+  int64_t num_locations;
+  KvRowLayout row;  // d_c a multiple of 128
+  float k_scale;    // fp8-raw only
+};
+
 struct StoreIndexKeysParams {
   const int32_t* locs;  // [n] index-pool locations
   const bf16_t* keys;   // [n, d_i]
@@ -49,6 +69,7 @@ struct StoreIndexKeysParams {
 
 cudaError_t launch_store_kv(const StoreKvParams& p, cudaStream_t stream);
 cudaError_t launch_gather_kv(const GatherKvParams& p, cudaStream_t stream);
+cudaError_t launch_gather_kv_codes(const GatherKvCodesParams& p, cudaStream_t stream);
 cudaError_t launch_store_index_keys(const StoreIndexKeysParams& p, cudaStream_t stream);
 // Both stores in one launch: kv's n latent rows and keys' n indexer keys.
 cudaError_t launch_store_tokens(const StoreKvParams& kv, const StoreIndexKeysParams& keys,
