@@ -607,7 +607,10 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
   if (!selected(shape, "")) return {};
   const std::vector<int32_t> len = {int32_t(t)};
   const TokenStore tokens = random_token_store(c, len, 5);
-  const Tensor w = be.to_device(random_kv_b_proj(c, 6));
+  // kv_b_proj in its FP8 checkpoint form and as bf16 (the same weights exactly).
+  const Fp8KvBProj w_fp8 = random_fp8_kv_b_proj(c, 6);
+  const Tensor w = be.to_device(w_fp8.bf16);
+  const Tensor w_codes = be.to_device(w_fp8.codes), w_scales = be.to_device(w_fp8.scales);
   KvPoolDesc kd;
   kd.layout = layout;
   kd.num_pages = (t + 63) / 64 + 1;
@@ -636,17 +639,65 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
   // the store and the path's launches.
   LayerOptions o;
   o.policy.mode = DispatchMode::kDense;
-  DsaAttention layer(c, be, kv, ix, w, o);
-  const PreparedBatch prepared = layer.prepare(b);
   const Tensor out_o = be.empty(o.output_dtype, {t, c.num_heads, c.v_head_dim});
   const Tensor out_lse = be.empty(DType::kF32, {t, c.num_heads});
   LayerOutputs outs;
   outs.o = out_o;
   outs.lse = out_lse;
-  rows.push_back({shape, "layer_dense prepared",
+  {
+    DsaAttention layer(c, be, kv, ix, w, o);
+    const PreparedBatch prepared = layer.prepare(b);
+    rows.push_back({shape, "layer_dense prepared",
+                    time_ms(
+                        be, [&](int) { layer.forward(prepared, in.view(), outs); }, 10),
+                    0, 0});
+  }
+  if (layout == KvLayout::kBf16 || !be.capabilities().fp8_up_proj) return rows;
+  // The same with kv_b_proj's FP8 form (LayerOptions::kv_b_proj_fp8): the K/V up-projection
+  // as a block-scaled FP8 GEMM on the pool's codes.
+  o.kv_b_proj_fp8 = {w_codes, w_scales};
+  DsaAttention layer(c, be, kv, ix, w, o);
+  rows.push_back({shape, "layer_dense fp8-weights",
+                  time_ms(
+                      be, [&](int) { layer.forward(b, in.view()); }, 10),
+                  0, 0});
+  const PreparedBatch prepared = layer.prepare(b);
+  rows.push_back({shape, "layer_dense fp8-weights prepared",
                   time_ms(
                       be, [&](int) { layer.forward(prepared, in.view(), outs); }, 10),
                   0, 0});
+  // The two up-projections alone over the prompt's rows (FLOPs 2 · T · H (d_nope + d_v) · d_c):
+  // gather (dequantize) + bf16 GEMM, and the FP8 GEMM on the codes.
+  const int64_t h = c.num_heads, dn = c.qk_nope_head_dim, dv = c.v_head_dim;
+  const double flop = 2.0 * double(t) * double(h * (dn + dv)) * c.kv_lora_rank;
+  std::vector<int32_t> locs(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i)
+    locs[size_t(i)] = tables[0][size_t(i / 64)] * 64 + int32_t(i % 64);
+  Tensor host_locs = Tensor::host(DType::kI32, {t});
+  std::copy(locs.begin(), locs.end(), host_locs.ptr<int32_t>());
+  const Tensor d_locs = be.to_device(host_locs);
+  const Tensor c_all = be.empty(DType::kBF16, {t, c.kv_lora_rank});
+  const Tensor kpe_all = be.empty(DType::kBF16, {t, c.qk_rope_head_dim});
+  const Tensor kv_up = be.empty(DType::kBF16, {t, h, dn + dv});
+  const KvHalves halves = kv_halves(kv_up, dn);
+  rows.push_back({shape, "gather + up_proj_kv",
+                  time_ms(
+                      be,
+                      [&](int) {
+                        be.gather_kv(kv, d_locs, c_all, kpe_all);
+                        be.up_proj_kv(c_all, w, halves.k_nope, halves.v);
+                      },
+                      10),
+                  flop, 0});
+  rows.push_back({shape, "up_proj_kv_fp8",
+                  time_ms(
+                      be,
+                      [&](int) {
+                        be.up_proj_kv_fp8(kv, d_locs, o.kv_b_proj_fp8, halves.k_nope, halves.v,
+                                          kpe_all);
+                      },
+                      10),
+                  flop, 0});
   return rows;
 }
 

@@ -55,6 +55,13 @@ struct LayerOptions {
   // Upper bound on workspace_bytes() of one forward call; 0: no limit. A call over the limit
   // throws Error(kResource) before anything is stored or computed.
   int64_t max_workspace_bytes = 0;
+  // kv_b_proj as the FP8 checkpoint holds it (optional; on the backend's device; the same weights
+  // as the bf16 kv_b_proj, which the sparse path and bf16 pools still use). With an fp8 or
+  // fp8-raw pool and a backend with Capabilities::fp8_up_proj, the dense path's K/V
+  // up-projection multiplies the pool's codes and scales by these as stored
+  // (Backend::up_proj_kv_fp8): no dequantized copy of either, and W exactly as the checkpoint
+  // defines it (docs/layer.md#fp8-weights).
+  Fp8BlockWeights kv_b_proj_fp8;
 };
 
 // Checks layer inputs against the config for T new tokens on `device` (throws naming the tensor).

@@ -15,6 +15,7 @@
 
 #include "dsakit/dcp.h"
 #include "dsakit/error.h"
+#include "src/core/validate.h"
 #include "src/layer/page_tables.h"
 #include "src/layer/paths.h"
 
@@ -50,6 +51,9 @@ DcpRank::DcpRank(ModelConfig config, Backend& backend, DcpComm& comm, const KvPo
   check_tensor(kv_b_proj_, "kv_b_proj", DType::kBF16, be_.device(),
                {int64_t(config_.num_heads) * (config_.qk_nope_head_dim + config_.v_head_dim),
                 config_.kv_lora_rank});
+  if (options_.kv_b_proj_fp8.defined())
+    validate::fp8_block_weights(options_.kv_b_proj_fp8, be_.device(), kv_b_proj_.shape[0],
+                                config_.kv_lora_rank);
   for (const int32_t len : max_lengths_)
     DSAKIT_CHECK_ARG(len >= 0, "dcp max_lengths: expected >= 0, got ", len);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();
@@ -191,7 +195,8 @@ LayerResult DcpRank::forward(const Batch& batch, const LayerInputs& in,
   const Tensor lse_part = be.empty(DType::kF32, {t, h});
   if (dense) {
     detail::dense_path(be, c, sm_scale_, kv_, d_kv_locs, in.q_nope, in.q_pe, kv_b_proj_, gi.cu_q,
-                       cu_kv, d_cu_q, d_cu_kv, &visible, d_visible, o_part, lse_part, stage);
+                       cu_kv, d_cu_q, d_cu_kv, &visible, d_visible, o_part, lse_part, stage, {},
+                       detail::fp8_up_proj_weights(be, kv_, options_));
   } else {
     // Local top-k (local rows) and the candidates' scores and global positions.
     const Tensor local_top = be.empty(DType::kI32, {t, k});

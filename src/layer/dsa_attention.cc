@@ -6,6 +6,7 @@
 
 #include "dsakit/error.h"
 #include "dsakit/layer.h"
+#include "src/core/validate.h"
 #include "src/layer/paths.h"
 
 namespace dsakit {
@@ -50,6 +51,9 @@ DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv
   const int64_t h = config_.num_heads;
   check_tensor(kv_b_proj_, "kv_b_proj", DType::kBF16, dev,
                {h * (config_.qk_nope_head_dim + config_.v_head_dim), config_.kv_lora_rank});
+  if (options_.kv_b_proj_fp8.defined())
+    validate::fp8_block_weights(options_.kv_b_proj_fp8, dev, kv_b_proj_.shape[0],
+                                config_.kv_lora_rank);
   DSAKIT_CHECK_ARG(options_.output_dtype == DType::kBF16 || options_.output_dtype == DType::kF32,
                    "output dtype: expected bf16 or f32, got ", to_string(options_.output_dtype));
   DSAKIT_CHECK(options_.output_dtype == DType::kBF16 ||
@@ -105,9 +109,14 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
                   index_bytes(batch);
   const Backend& be = backend_;
   if (path == AttentionPath::kDenseMha) {
-    // c_kv, k_pe of every position; k_nope, v up-projected per head; the kernel's scratch.
-    bytes += mid * n * (c.kv_lora_rank + c.qk_rope_head_dim) +
-             mid * n * h * (c.qk_nope_head_dim + c.v_head_dim) +
+    // c_kv, k_pe of every position (FP8 up-projection: the codes and tile scales of n rounded up
+    // to 4, and its 4-row output scratch); k_nope, v up-projected per head; the kernel's scratch.
+    const int64_t up_rows = h * (c.qk_nope_head_dim + c.v_head_dim);
+    const int64_t n4 = (n + 3) / 4 * 4, tiles = c.kv_lora_rank / kFp8TileSize;
+    bytes += (detail::fp8_up_proj_weights(be, kv_pool_, options_) != nullptr
+                  ? n4 * (c.kv_lora_rank + 4 * tiles) + 4 * mid * up_rows
+                  : mid * n * c.kv_lora_rank) +
+             mid * n * c.qk_rope_head_dim + mid * n * up_rows +
              be.dense_mha_scratch_bytes(n, h, c.qk_nope_head_dim, c.v_head_dim);
     return bytes;
   }
@@ -151,7 +160,7 @@ void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi,
         stored = {in.c_kv, in.k_pe};
       detail::dense_path(backend_, config_, sm_scale_, kv_pool_, dev.kv_locs, in.q_nope, in.q_pe,
                          kv_b_proj_, bi.cu_q, bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, {}, o, lse,
-                         stage, stored);
+                         stage, stored, detail::fp8_up_proj_weights(backend_, kv_pool_, options_));
       return;
     }
     case AttentionPath::kSparseMla:

@@ -41,16 +41,19 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
                 const std::vector<int32_t>& cu_kv, const TensorView& d_cu_q,
                 const TensorView& d_cu_kv, const std::vector<int32_t>* kv_visible,
                 const TensorView& d_kv_visible, const TensorView& o, const TensorView& lse,
-                const StageFn& stage, const KvRows& stored) {
+                const StageFn& stage, const KvRows& stored, const Fp8BlockWeights* kv_b_proj_fp8) {
   const DType mid = be.capabilities().intermediate_dtype;
   const int64_t n = kv_locs.shape[0], h = c.num_heads;
+  const bool fp8 = kv_b_proj_fp8 != nullptr && stored.empty();
   Tensor gathered_c, gathered_pe;
   TensorView c_all = stored.c_kv, kpe_all = stored.k_pe;
   if (stored.empty()) {
-    gathered_c = be.empty(mid, {n, c.kv_lora_rank});
     gathered_pe = be.empty(mid, {n, c.qk_rope_head_dim});
-    c_all = gathered_c;
     kpe_all = gathered_pe;
+  }
+  if (stored.empty() && !fp8) {
+    gathered_c = be.empty(mid, {n, c.kv_lora_rank});
+    c_all = gathered_c;
     stage("gather", [&] { be.gather_kv(pool, kv_locs, c_all, kpe_all); });
   }
   // K and V up-projected into one [N, H, d_nope + d_v] buffer (one GEMM) where the backend
@@ -68,7 +71,12 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
     k_nope = k_nope_t;
     v = v_t;
   }
-  stage("up_proj_kv", [&] { be.up_proj_kv(c_all, kv_b_proj, k_nope, v); });
+  // The FP8 form reads the pool rows itself (codes, scales and k_pe): no gather stage.
+  if (fp8)
+    stage("up_proj_kv",
+          [&] { be.up_proj_kv_fp8(pool, kv_locs, *kv_b_proj_fp8, k_nope, v, kpe_all); });
+  else
+    stage("up_proj_kv", [&] { be.up_proj_kv(c_all, kv_b_proj, k_nope, v); });
   DenseMhaArgs a;
   a.q_nope = q_nope;
   a.q_pe = q_pe;
@@ -88,6 +96,13 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
   a.o = o;
   a.lse = lse;
   stage("dense_mha", [&] { be.dense_mha(a); });
+}
+
+const Fp8BlockWeights* fp8_up_proj_weights(const Backend& be, const PagedKvPool& pool,
+                                           const LayerOptions& options) {
+  const bool fp8 = options.kv_b_proj_fp8.defined() && pool.layout() != KvLayout::kBf16 &&
+                   be.capabilities().fp8_up_proj;
+  return fp8 ? &options.kv_b_proj_fp8 : nullptr;
 }
 
 bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,

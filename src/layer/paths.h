@@ -59,7 +59,13 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
                 const std::vector<int32_t>& cu_kv, const TensorView& d_cu_q,
                 const TensorView& d_cu_kv, const std::vector<int32_t>* kv_visible,
                 const TensorView& d_kv_visible, const TensorView& o, const TensorView& lse,
-                const StageFn& stage, const KvRows& stored = {});
+                const StageFn& stage, const KvRows& stored = {},
+                const Fp8BlockWeights* kv_b_proj_fp8 = nullptr);
+
+// LayerOptions::kv_b_proj_fp8 where the dense path's K/V up-projection takes it (given, an fp8
+// or fp8-raw pool, a backend with Capabilities::fp8_up_proj), else null.
+const Fp8BlockWeights* fp8_up_proj_weights(const Backend& be, const PagedKvPool& pool,
+                                           const LayerOptions& options);
 
 // True when gathering kv rows cu_kv from the pool would return the new tokens' c_kv / k_pe
 // inputs unchanged: no request has a cached prefix (the kv rows are the new tokens, in order),

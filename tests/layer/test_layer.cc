@@ -35,13 +35,14 @@ struct Harness {
   PagedKvPool kv;
   IndexKeyPool ix;
   Tensor w_host, w;
+  Tensor w_codes, w_scales;  // fp8_weights: kv_b_proj's FP8 form (LayerOptions::kv_b_proj_fp8)
   TokenStore tokens;
   std::vector<std::vector<int32_t>> tables;
   std::unique_ptr<DsaAttention> layer;
 
   Harness(const ModelConfig& c, const std::string& backend, KvLayout layout, int page_size,
           const std::vector<int32_t>& lengths, uint64_t seed, DispatchMode mode,
-          DType out = DType::kF32)
+          DType out = DType::kF32, bool fp8_weights = false)
       : cfg(c), be(make_backend(backend)) {
     // f32 outputs where the backend computes in f32 (CPU); bf16 elsewhere (RunOutputs widens).
     if (be->capabilities().intermediate_dtype != DType::kF32) out = DType::kBF16;
@@ -54,11 +55,19 @@ struct Harness {
     kd.num_pages = pages;
     kv = be->make_kv_pool(kd);
     ix = be->make_index_pool({page_size, pages, c.index_head_dim});
-    w_host = random_kv_b_proj(c, seed + 1);
+    LayerOptions o;
+    if (fp8_weights) {
+      const Fp8KvBProj fp8 = random_fp8_kv_b_proj(c, seed + 1);
+      w_host = fp8.bf16;
+      w_codes = be->to_device(fp8.codes);
+      w_scales = be->to_device(fp8.scales);
+      o.kv_b_proj_fp8 = {w_codes, w_scales};
+    } else {
+      w_host = random_kv_b_proj(c, seed + 1);
+    }
     w = be->to_device(w_host);
     tokens = random_token_store(c, lengths, seed);
     tables = allocate_pages(lengths, page_size, pages, seed + 2);
-    LayerOptions o;
     o.output_dtype = out;
     o.policy.mode = mode;
     layer = std::make_unique<DsaAttention>(c, *be, kv, ix, w, o);
@@ -131,6 +140,45 @@ double tol_lse_across_paths(const Harness& h) {
 // either way, moving one score by ~sm_scale·|q_d|·ulp(k_d) (~1e-3 for DeepSeek-V3.2).
 double tol_lse_vs_reference(const Harness& h) {
   return bf16_mid(h) ? 5e-3 : testing::kTolLse;
+}
+
+// Every computed token of `out` (two requests of lengths `len`) against the float64 layer
+// reference over h's pools and weights; dense-path rows attend to all positions.
+void expect_matches_reference(Harness& h, const RunOutputs& out, const std::vector<int32_t>& len) {
+  const ModelConfig& c = h.cfg;
+  const Tensor kv_host = h.be->to_host(h.kv.storage()), ix_host = h.be->to_host(h.ix.storage());
+  reference::LayerSnapshot snap{&c,
+                                h.layer->sm_scale(),
+                                len,
+                                h.tokens.q_nope,
+                                h.tokens.q_pe,
+                                h.tokens.idx_q,
+                                h.tokens.idx_w,
+                                h.w_host,
+                                h.kd,
+                                kv_host,
+                                h.ix.desc(),
+                                ix_host,
+                                h.tables,
+                                bf16_mid(h)};
+  std::vector<reference::TokenQuery> qs;
+  std::vector<int64_t> rows;
+  for (const auto& st : out.steps)
+    for (int64_t row : st.rows) {
+      const int r = row < len[0] ? 0 : 1;
+      qs.push_back({r, int32_t(row - (r ? len[0] : 0)), st.plan.path == AttentionPath::kDenseMha});
+      rows.push_back(row);
+    }
+  const auto ref = reference::layer_outputs(snap, qs);
+  std::vector<double> got, got_lse;
+  for (int64_t row : rows) {
+    for (int64_t j = 0; j < c.num_heads * c.v_head_dim; ++j)
+      got.push_back(out.o.ptr<float>()[row * c.num_heads * c.v_head_dim + j]);
+    for (int64_t j = 0; j < c.num_heads; ++j)
+      got_lse.push_back(out.lse.ptr<float>()[row * c.num_heads + j]);
+  }
+  EXPECT_LE(testing::rel_l2(got, ref.o), tol_f32(h));
+  EXPECT_LE(testing::max_abs_diff(got_lse, ref.lse), tol_lse_vs_reference(h));
 }
 
 class LayerTest : public ::testing::TestWithParam<std::string> {};
@@ -388,42 +436,80 @@ TEST_P(LayerTest, DecodeAfterPrefillMatchesReference) {
       EXPECT_EQ(out.steps[i].plan.path, AttentionPath::kSparseMla);
       EXPECT_EQ(out.steps[i].plan.rule, 2);
     }
-    // Reference over every computed token (dense-path rows attend to all positions).
-    const Tensor kv_host = h.be->to_host(h.kv.storage()), ix_host = h.be->to_host(h.ix.storage());
-    reference::LayerSnapshot snap{&c,
-                                  h.layer->sm_scale(),
-                                  len,
-                                  h.tokens.q_nope,
-                                  h.tokens.q_pe,
-                                  h.tokens.idx_q,
-                                  h.tokens.idx_w,
-                                  h.w_host,
-                                  h.kd,
-                                  kv_host,
-                                  h.ix.desc(),
-                                  ix_host,
-                                  h.tables,
-                                  bf16_mid(h)};
-    std::vector<reference::TokenQuery> qs;
-    std::vector<int64_t> rows;
-    for (const auto& st : out.steps)
-      for (int64_t row : st.rows) {
-        const int r = row < len[0] ? 0 : 1;
-        qs.push_back(
-            {r, int32_t(row - (r ? len[0] : 0)), st.plan.path == AttentionPath::kDenseMha});
-        rows.push_back(row);
-      }
-    const auto ref = reference::layer_outputs(snap, qs);
-    std::vector<double> got, got_lse;
-    for (int64_t row : rows) {
-      for (int64_t j = 0; j < c.num_heads * c.v_head_dim; ++j)
-        got.push_back(out.o.ptr<float>()[row * c.num_heads * c.v_head_dim + j]);
-      for (int64_t j = 0; j < c.num_heads; ++j)
-        got_lse.push_back(out.lse.ptr<float>()[row * c.num_heads + j]);
-    }
-    EXPECT_LE(testing::rel_l2(got, ref.o), tol_f32(h));
-    EXPECT_LE(testing::max_abs_diff(got_lse, ref.lse), tol_lse_vs_reference(h));
+    expect_matches_reference(h, out, len);
   }
+}
+
+// docs/layer.md#fp8-weights: with kv_b_proj's FP8 form the dense path's K/V up-projection reads
+// the FP8 pool's codes and scales as stored (no gather stage). Its weights are bf16-exact here,
+// so the layer must match the float64 reference of the bf16 weights, and the sparse path (which
+// uses the bf16 kv_b_proj) within the paths' tolerance; a bf16 pool ignores the FP8 form.
+TEST_P(LayerTest, DenseWithFp8WeightsMatchesReference) {
+  struct Case {
+    const char* preset;
+    int tp;
+  };
+  for (Case cs : {Case{"deepseek-v3.2", 8}, Case{"glm-5", 4}}) {
+    for (KvLayout layout : kLayouts) {
+      const uint64_t seed = fresh_seed();
+      SCOPED_TRACE(::testing::Message()
+                   << cs.preset << " tp" << cs.tp << " " << to_string(layout) << " seed " << seed);
+      const ModelConfig c = ModelConfig::preset(cs.preset).with_tp(cs.tp);
+      // A prefix hit after a first chunk: the dense call re-reads cached rows from the pool.
+      const std::vector<int32_t> first = {40, 21}, len = {71, 35};
+      Harness h(c, GetParam(), layout, 16, len, seed, DispatchMode::kDense, DType::kF32, true);
+      Harness sparse(c, GetParam(), layout, 16, len, seed, DispatchMode::kSparse, DType::kF32,
+                     true);
+      LayerOptions timed = h.layer->options();
+      timed.time_stages = true;
+      h.layer = std::make_unique<DsaAttention>(c, *h.be, h.kv, h.ix, h.w, timed);
+      const std::vector<RunSchedule> chunks = {{h.zeros(), first, 0, ForwardMode::kExtend},
+                                               {first, len, 0, ForwardMode::kExtend}};
+      const RunOutputs a = h.run(chunks), b = sparse.run(chunks);
+      const bool fp8_path = layout != KvLayout::kBf16 && h.be->capabilities().fp8_up_proj;
+      ASSERT_EQ(a.steps.size(), 2u);
+      for (size_t i = 0; i < a.steps.size(); ++i) {
+        EXPECT_EQ(a.steps[i].plan.path, AttentionPath::kDenseMha);
+        bool gathered = false;
+        for (const StageTime& s : a.steps[i].stages) gathered |= s.stage == "gather";
+        // A bf16 pool's first (prefix-free) call reads its inputs where the intermediates are
+        // bf16; every other call gathers, unless the FP8 up-projection reads the pool itself.
+        EXPECT_EQ(gathered, !fp8_path && !(layout == KvLayout::kBf16 && i == 0 && bf16_mid(h)));
+      }
+      const Diff d = compare(a, b, both(a, b));
+      EXPECT_EQ(d.rows, 106);
+      EXPECT_LE(d.o_rel, tol_f32(h));
+      EXPECT_LE(d.lse_abs, tol_lse_across_paths(h));
+
+      expect_matches_reference(h, a, len);
+    }
+  }
+}
+
+TEST_P(LayerTest, Fp8WeightsOfTheWrongShapeAreRefused) {
+  const ModelConfig c = ModelConfig::preset("deepseek-v3.2").with_tp(8);
+  Harness h(c, GetParam(), KvLayout::kFp8Scaled, 16, {20}, fresh_seed(), DispatchMode::kDense);
+  const Fp8KvBProj fp8 = random_fp8_kv_b_proj(c, 7);
+  const Tensor codes = h.be->to_device(fp8.codes), scales = h.be->to_device(fp8.scales);
+  const Tensor bf16_codes = h.be->to_device(fp8.bf16);
+  const auto build = [&](const Fp8BlockWeights& w) {
+    LayerOptions o;
+    o.kv_b_proj_fp8 = w;
+    DsaAttention layer(c, *h.be, h.kv, h.ix, h.w, o);
+  };
+  build({codes, scales});  // the right shapes construct
+  const auto expect_refused = [&](const Fp8BlockWeights& w, const std::string& name) {
+    try {
+      build(w);
+      ADD_FAILURE() << "expected an Error naming " << name;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  };
+  expect_refused({bf16_codes, scales}, "kv_b_proj_fp8.codes");
+  expect_refused({codes, slice_rows(scales, 0, 1)}, "kv_b_proj_fp8.scales");
+  expect_refused({codes, {}}, "kv_b_proj_fp8.scales");
 }
 
 TEST_P(LayerTest, TargetVerifyRoutesToSparse) {
@@ -449,7 +535,11 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
       const ModelConfig base = ModelConfig::preset("deepseek-v3.2").with_tp(8);
       const ModelConfig c = mode == DispatchMode::kDense ? base : small_topk(base, 32);
       const std::vector<int32_t> prompt = {90, 45}, len = {92, 47};
-      Harness single(c, GetParam(), KvLayout::kFp8Scaled, 16, len, seed, mode);
+      // Dense: with kv_b_proj's FP8 form on both sides (the ranks' up-projections read their
+      // pools' codes; no gather stage).
+      const bool fp8_weights = mode == DispatchMode::kDense;
+      Harness single(c, GetParam(), KvLayout::kFp8Scaled, 16, len, seed, mode, DType::kF32,
+                     fp8_weights);
       if (mode == DispatchMode::kDense && !single.be->capabilities().dense_kv_visible) {
         // Dense DCP needs per-query visible counts; a backend without them must refuse.
         LayerOptions o;
@@ -470,6 +560,8 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
       LayerOptions o;
       o.output_dtype = bf16_mid(single) ? DType::kBF16 : DType::kF32;
       o.policy.mode = mode;
+      o.kv_b_proj_fp8 = single.layer->options().kv_b_proj_fp8;
+      o.time_stages = true;
       KvPoolDesc pd = single.kd;
       pd.num_pages = 8;
       DcpSimulation dcp(c, *single.be, world, pd, len, single.w, o);
@@ -491,6 +583,11 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
         const auto in = single.tokens.slice(*single.be, rows);
         const LayerResult res = dcp.forward(batch, in.view());
         EXPECT_EQ(res.plan.path, a.steps[size_t(step)].plan.path);
+        bool gathered = false;
+        for (const StageTime& st : res.stages) gathered |= st.stage == "gather";
+        if (fp8_weights) {
+          EXPECT_EQ(gathered, !single.be->capabilities().fp8_up_proj);
+        }
         const Tensor o = single.be->to_host(res.o), lse = single.be->to_host(res.lse);
         const int64_t od = o.numel() / int64_t(rows.size()),
                       ld = lse.numel() / int64_t(rows.size());
