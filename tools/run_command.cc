@@ -191,6 +191,11 @@ void check_run_options(const RunOptions& opt) {
                    opt.verify_tokens);
   DSAKIT_CHECK_ARG(opt.verify_tol >= 0 && opt.verify_tol < 1, "--verify-tol: expected [0, 1), got ",
                    opt.verify_tol);
+  DSAKIT_CHECK_ARG(!opt.fp8_weights || opt.inputs.empty(),
+                   "--fp8-weights draws its own random weights; with --inputs the file's bf16 "
+                   "kv_b_proj is the layer's: leave one of the two out");
+  DSAKIT_CHECK_ARG(!opt.fp8_weights || opt.dcp == 0,
+                   "--fp8-weights: not offered with --dcp (its ranks draw bf16 weights)");
   DSAKIT_CHECK_ARG(opt.max_workspace_mb >= 0 && opt.max_workspace_mb <= (int64_t(1) << 40),
                    "--max-workspace-mb: expected 0..2^40 (0: no limit), got ",
                    opt.max_workspace_mb);
@@ -234,7 +239,12 @@ void set_up_run(const RunOptions& opt, RunState& run) {
   run.be = opt.device == "cpu" ? make_cpu_backend(opt.threads) : make_backend(opt.device);
   run.tokens = opt.inputs.empty() ? random_token_store(cfg, run.len.total(), opt.seed)
                                   : read_run_inputs(run.in_file, cfg, run.len, run.kv_b_proj_host);
-  if (opt.inputs.empty()) run.kv_b_proj_host = random_kv_b_proj(cfg, opt.seed + 1);
+  if (opt.fp8_weights) {
+    run.kv_b_proj_fp8_host = random_fp8_kv_b_proj(cfg, opt.seed + 1);
+    run.kv_b_proj_host = run.kv_b_proj_fp8_host.bf16;
+  } else if (opt.inputs.empty()) {
+    run.kv_b_proj_host = random_kv_b_proj(cfg, opt.seed + 1);
+  }
   set_up_layer(opt, run);
 }
 
@@ -249,8 +259,14 @@ void set_up_layer(const RunOptions& opt, RunState& run) {
   run.index_pool = run.be->make_index_pool({opt.page_size, kd.num_pages, cfg.index_head_dim});
   run.tables = allocate_pages(run.tokens.lengths, opt.page_size, kd.num_pages, opt.seed + 2);
 
-  run.layer = std::make_unique<DsaAttention>(cfg, *run.be, run.kv_pool, run.index_pool,
-                                             run.kv_b_proj, run_layer_options(opt));
+  LayerOptions lo = run_layer_options(opt);
+  if (run.kv_b_proj_fp8_host.codes.defined()) {
+    run.kv_b_proj_codes = run.be->to_device(run.kv_b_proj_fp8_host.codes);
+    run.kv_b_proj_scales = run.be->to_device(run.kv_b_proj_fp8_host.scales);
+    lo.kv_b_proj_fp8 = {run.kv_b_proj_codes, run.kv_b_proj_scales};
+  }
+  run.layer =
+      std::make_unique<DsaAttention>(cfg, *run.be, run.kv_pool, run.index_pool, run.kv_b_proj, lo);
 }
 
 KvPoolDesc run_pool_desc(const RunOptions& opt, const ModelConfig& cfg) {

@@ -30,6 +30,7 @@ struct RunOptions {
   int verify_tokens = 48;  // sampled tokens per request for --verify
   // rel-L2 bound on o; 0: docs/numerics.md#tolerances (1e-2 bf16 pool, 3e-2 fp8 pools)
   double verify_tol = 0;
+  bool fp8_weights = false;  // kv_b_proj also in its FP8 form (LayerOptions::kv_b_proj_fp8)
   std::string inputs;
   std::string save;
   bool json = false;

@@ -12,6 +12,7 @@
 #include "dsakit/layer.h"
 #include "dsakit/pool.h"
 #include "dsakit/safetensors.h"
+#include "tools/harness.h"
 
 namespace dsakit::cli {
 
@@ -37,6 +38,8 @@ struct RunState {
   std::unique_ptr<Backend> be;
   TokenStore tokens;
   Tensor kv_b_proj_host, kv_b_proj;  // bf16 [H*(d_nope+d_v), d_c]: host and device copies
+  Fp8KvBProj kv_b_proj_fp8_host;     // --fp8-weights: kv_b_proj's FP8 form (host), else empty
+  Tensor kv_b_proj_codes, kv_b_proj_scales;  // its device copies
   KvPoolDesc kd;
   PagedKvPool kv_pool;
   IndexKeyPool index_pool;

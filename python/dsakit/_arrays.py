@@ -35,13 +35,16 @@ def is_array(x) -> bool:
 
 
 def plain(x):
-    """The argument as the binding takes it (torch: detached; float8_e4m3fn as uint8)."""
+    """The argument as the binding takes it (torch: detached; float8_e4m3fn, torch's or NumPy's
+    ml_dtypes one, as uint8)."""
     t = _torch()
     if t is not None and isinstance(x, t.Tensor):
         if x.requires_grad:
             x = x.detach()
         if x.dtype == getattr(t, "float8_e4m3fn", None):
             x = x.view(t.uint8)
+    elif getattr(getattr(x, "dtype", None), "name", None) == "float8_e4m3fn" and hasattr(x, "view"):
+        x = x.view("uint8")
     return x
 
 

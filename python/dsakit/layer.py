@@ -46,11 +46,24 @@ class DsaAttention:
     """One DSA attention layer: stores the new tokens into the pools, plans, runs the chosen path.
 
     kv_b_proj is bf16 [H * (d_nope + d_v), d_c] on the pools' device, kept alive (not copied) by
-    the layer, as are the pools. options: dsakit.LayerOptions."""
+    the layer, as are the pools. options: dsakit.LayerOptions.
 
-    def __init__(self, config, kv_pool, index_pool, kv_b_proj, options=None):
+    kv_b_proj_fp8 (optional): the same weights as an FP8 checkpoint stores them, a pair (codes,
+    scales) — codes e4m3 [H * (d_nope + d_v), d_c] (torch.float8_e4m3fn or uint8 bytes), scales
+    float32 [ceil(rows / 128), d_c / 128], one per 128 x 128 block. With an fp8 / fp8-raw pool on
+    a backend that has it (the CPU; CUDA sm_90) the dense path's K/V up-projection then multiplies
+    the pool's codes by them as stored, an FP8 GEMM (docs/layer.md, "FP8 weights")."""
+
+    def __init__(self, config, kv_pool, index_pool, kv_b_proj, options=None, kv_b_proj_fp8=None):
+        codes, scales = None, None
+        if kv_b_proj_fp8 is not None:
+            if not isinstance(kv_b_proj_fp8, (tuple, list)) or len(kv_b_proj_fp8) != 2:
+                raise TypeError("kv_b_proj_fp8: expected a pair (codes, scales), got "
+                                f"{type(kv_b_proj_fp8).__name__}")
+            codes, scales = (A.plain(x) for x in kv_b_proj_fp8)
         self._impl = _C._DsaAttention(config, kv_pool, index_pool, A.plain(kv_b_proj),
-                                      options if options is not None else _C.LayerOptions())
+                                      options if options is not None else _C.LayerOptions(),
+                                      codes, scales)
         self._cfg = self._impl.config
         self._out_dtype = self._impl.options.output_dtype
 

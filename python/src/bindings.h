@@ -52,11 +52,13 @@ struct PyLayer {
   PyKvPool* kv = nullptr;
   PyIndexPool* ix = nullptr;
   Arg weights;
+  Arg fp8_codes, fp8_scales;  // kv_b_proj's FP8 form (LayerOptions::kv_b_proj_fp8), optional
   BackendSlot* slot = nullptr;
   std::unique_ptr<DsaAttention> layer;
 
   PyLayer(const ModelConfig& config, nb::object kv_pool, nb::object index_pool,
-          nb::handle kv_b_proj, const LayerOptions& options);
+          nb::handle kv_b_proj, const LayerOptions& options, nb::handle kv_b_proj_fp8_codes,
+          nb::handle kv_b_proj_fp8_scales);
   void check_pools(const char* who) const;
   // (o, lse, topk or None, plan, stages): the given outputs are returned as given.
   nb::tuple forward(nb::handle batch, const LayerCallArgs& args, std::optional<uint64_t> stream);

@@ -182,7 +182,8 @@ void release_pool(Pool& p) {
 // ---- the layer ---------------------------------------------------------------------------------
 
 PyLayer::PyLayer(const ModelConfig& config, nb::object kv_obj, nb::object ix_obj,
-                 nb::handle kv_b_proj, const LayerOptions& options)
+                 nb::handle kv_b_proj, const LayerOptions& options, nb::handle fp8_codes_obj,
+                 nb::handle fp8_scales_obj)
     : kv_ref(std::move(kv_obj)), ix_ref(std::move(ix_obj)) {
   if (!nb::isinstance<PyKvPool>(kv_ref)) throw nb::type_error("kv_pool: expected a dsakit.KvPool");
   if (!nb::isinstance<PyIndexPool>(ix_ref))
@@ -192,10 +193,14 @@ PyLayer::PyLayer(const ModelConfig& config, nb::object kv_obj, nb::object ix_obj
   DSAKIT_CHECK_ARG(kv->device == ix->device, "index_pool: on ", ix->device.str(),
                    ", the kv pool on ", kv->device.str());
   weights = arg(kv_b_proj, "kv_b_proj");
-  check_same_device(kv->device, {&weights});
+  fp8_codes = arg(fp8_codes_obj, "kv_b_proj_fp8 codes", false, true);
+  fp8_scales = arg(fp8_scales_obj, "kv_b_proj_fp8 scales", false, true);
+  check_same_device(kv->device, {&weights, &fp8_codes, &fp8_scales});
   slot = &backend_for(kv->device);
+  LayerOptions o = options;
+  o.kv_b_proj_fp8 = {fp8_codes.view, fp8_scales.view};
   layer = std::make_unique<DsaAttention>(config, *slot->backend, kv->get("DsaAttention"),
-                                         ix->get("DsaAttention"), weights.view, options);
+                                         ix->get("DsaAttention"), weights.view, o);
 }
 
 void PyLayer::check_pools(const char* who) const {
@@ -552,8 +557,10 @@ void bind_layer(nb::module_& m) {
       .def_prop_ro("batch", [](const PyPrepared& p) { return p.batch.batch(); });
 
   nb::class_<PyLayer>(m, "_DsaAttention")
-      .def(nb::init<const ModelConfig&, nb::object, nb::object, nb::handle, const LayerOptions&>(),
-           "config"_a, "kv_pool"_a.none(), "index_pool"_a.none(), "kv_b_proj"_a.none(), "options"_a)
+      .def(nb::init<const ModelConfig&, nb::object, nb::object, nb::handle, const LayerOptions&,
+                    nb::handle, nb::handle>(),
+           "config"_a, "kv_pool"_a.none(), "index_pool"_a.none(), "kv_b_proj"_a.none(), "options"_a,
+           "kv_b_proj_fp8_codes"_a.none(), "kv_b_proj_fp8_scales"_a.none())
       .def_prop_ro("config", [](const PyLayer& l) { return l.layer->config(); })
       .def_prop_ro("sm_scale", [](const PyLayer& l) { return l.layer->sm_scale(); })
       .def_prop_ro("options", [](const PyLayer& l) { return l.layer->options(); })

@@ -86,6 +86,21 @@ def test_inputs_conflicting_flags_rejected(run, tmp_path):
     assert run("run", "--device", "cpu", "--prompts", "20", "--save", a).returncode == 0
     p = run("run", "--device", "cpu", "--inputs", a, "--prompts", "30")
     assert p.returncode == 2 and "--inputs" in p.stderr
+    p = run("run", "--device", "cpu", "--inputs", a, "--fp8-weights")
+    assert p.returncode == 2 and "--fp8-weights" in p.stderr and "--inputs" in p.stderr
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8-raw", "bf16"])
+def test_run_fp8_weights_verify(run, kv):
+    """kv_b_proj's FP8 form: on FP8 pools the dense path's up-projection reads the pool's codes
+    itself (no gather stage); a bf16 pool gathers as before; both match the float64 reference."""
+    p = run("run", "--device", "cpu", "--kv", kv, "--prompts", "150,60", "--prefix", "40,0",
+            "--dispatch", "dense", "--fp8-weights", "--verify", "--verify-tokens", "16", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(p.stdout)
+    assert report["verify"]["pass"], report["verify"]
+    stages = report["stages_ms"]
+    assert "up_proj_kv" in stages and ("gather" in stages) == (kv == "bf16"), stages
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -171,6 +171,38 @@ def test_forward_writes_given_outputs_and_prepared_batches_match(rng):
         other.layer.forward(prepared, x)
 
 
+@pytest.mark.parametrize("layout", ["fp8", "fp8-raw", "bf16"])
+def test_fp8_weights_match_the_bf16_weights(rng, layout):
+    """kv_b_proj's FP8 form (e4m3 codes as float8_e4m3fn, power-of-two 128 x 128 block scales,
+    so the bf16 weights are the same values): the dense layer with it agrees with the layer
+    without, and on FP8 pools its up-projection reads the pool itself (no gather stage)."""
+    s = Small(rng, layout=layout, topk=128)
+    c = s.cfg
+    rows, d_c = c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank
+    codes = rng.uniform(-448, 448, (rows, d_c)).astype(ref.E4M3)
+    scales = np.exp2(-rng.integers(12, 15, ((rows + 127) // 128, d_c // 128))).astype(F32)
+    w = (codes.astype(F32) * np.repeat(np.repeat(scales, 128, 0), 128, 1)[:rows]).astype(BF16)
+    assert np.array_equal(w.astype(F32) / np.repeat(np.repeat(scales, 128, 0), 128, 1)[:rows],
+                          codes.astype(F32))  # bf16-exact
+    options = dsakit.LayerOptions(dispatch="dense", time_stages=True)
+    plain = dsakit.DsaAttention(c, s.kv, s.ix, w, options)
+    fp8 = dsakit.DsaAttention(c, s.kv, s.ix, w, options, kv_b_proj_fp8=(codes, scales))
+    batch = dsakit.Batch([0], [90], [list(range(0, 6))])
+    x = s.inputs(90)
+    a = plain.forward(batch, x)
+    b = fp8.forward(batch, x)  # the same tokens stored again at the same locations
+    assert a.plan.path == b.plan.path == "dense_mha"
+    oa, ob = a.o.astype(np.float64), b.o.astype(np.float64)
+    assert np.linalg.norm(oa - ob) <= 1e-2 * np.linalg.norm(oa)
+    assert np.max(np.abs(a.lse - b.lse)) <= 1e-3
+    stages = dict(b.stages)
+    assert "up_proj_kv" in stages and ("gather" in stages) == (layout == "bf16"), stages
+    with pytest.raises(TypeError, match="kv_b_proj_fp8"):
+        dsakit.DsaAttention(c, s.kv, s.ix, w, options, kv_b_proj_fp8=codes)
+    with pytest.raises(ValueError, match="kv_b_proj_fp8.scales"):
+        dsakit.DsaAttention(c, s.kv, s.ix, w, options, kv_b_proj_fp8=(codes, scales[:1]))
+
+
 def test_plan_batch_tables_and_options(rng):
     s = Small(rng, dispatch="dense", time_stages=True)
     table = np.array([[3, 4, 5, 9, 9], [6, 7, -1, -1, -1]], dtype=np.int32)  # engine-style, padded
