@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -787,12 +788,19 @@ int main(int argc, char** argv) {
           auto r = bench_dense(be, m, Batch{{0, t}});
           rows.insert(rows.end(), r.begin(), r.end());
         }
-      // Varlen batches with cached prefixes, and one fresh prompt of about their FLOPs.
+      // Varlen batches with cached prefixes, each followed by the fresh prompt of the same
+      // FLOPs (issue 15's comparison): T with T (T + 1) / 2 nearest the batch's visible pairs.
       for (const ModelConfig& m : {ds, ds.with_tp(8)})
-        for (const Batch& b : {Batch{{0, 1500}, {0, 700}}, Batch{{1984, 64}, {0, 512}, {1900, 100}},
-                               Batch{{0, 1658}}, Batch{{0, 1024}}}) {
-          auto r = bench_dense(be, m, b);
-          rows.insert(rows.end(), r.begin(), r.end());
+        for (const Batch& b :
+             {Batch{{0, 1500}, {0, 700}}, Batch{{1984, 64}, {0, 512}, {1900, 100}}}) {
+          double pairs = 0;
+          for (const auto& [prefix, extend] : b)
+            pairs += double(extend) * prefix + double(extend) * (extend + 1) / 2;
+          const auto fresh = int32_t(std::lround((std::sqrt(8 * pairs + 1) - 1) / 2));
+          for (const Batch& run : {b, Batch{{0, fresh}}}) {
+            auto r = bench_dense(be, m, run);
+            rows.insert(rows.end(), r.begin(), r.end());
+          }
         }
     }
     if (sparse) {
