@@ -261,6 +261,11 @@ class Backend {
   virtual void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs,
                               const Fp8BlockWeights& kv_b_proj, const TensorView& k_nope,
                               const TensorView& v, const TensorView& k_pe);
+  // Bytes of device memory up_proj_kv_fp8 allocates for n rows and w_rows = H·(d_nope + d_v).
+  virtual int64_t up_proj_kv_fp8_scratch_bytes(int64_t n, int64_t w_rows, int d_c) const {
+    (void)n, (void)w_rows, (void)d_c;
+    return 0;
+  }
 
   // ---- attention ----------------------------------------------------------------------
   virtual void sparse_mla(const SparseMlaArgs& args) = 0;

@@ -165,6 +165,9 @@ class CpuBackend final : public Backend {
     validate::up_proj_kv_fp8(pool, locs, w, k_nope, v, k_pe, Device::kCpu, host_i32(locs));
     cpu::up_proj_kv_fp8(ctx_, pool, locs, w, k_nope, v, k_pe);
   }
+  int64_t up_proj_kv_fp8_scratch_bytes(int64_t n, int64_t w_rows, int d_c) const override {
+    return 4 * (n + w_rows) * d_c;  // the f32 rows and the f32 weights
+  }
 
   void sparse_mla(const SparseMlaArgs& a) override {
     validate::sparse_mla(a, Device::kCpu);

@@ -613,6 +613,13 @@ void CudaBackend::up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj
   finish_projection(ops, {&k_nope, &v});
 }
 
+int64_t CudaBackend::up_proj_kv_fp8_scratch_bytes(int64_t n, int64_t w_rows, int d_c) const {
+  const int64_t padded = (n + kFp8GemmRows - 1) / kFp8GemmRows * kFp8GemmRows;
+  // The codes and tile scales of the padded rows, the tail's scales and its bf16 output rows.
+  return padded * (d_c + 4 * (d_c / kFp8TileSize)) +
+         kFp8GemmRows * (4 * (d_c / kFp8TileSize) + 2 * w_rows);
+}
+
 void CudaBackend::up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs,
                                  const Fp8BlockWeights& w, const TensorView& k_nope,
                                  const TensorView& v, const TensorView& k_pe) {
@@ -630,14 +637,14 @@ void CudaBackend::up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs
                d.d_c);
   const int64_t n = locs.numel();
   if (n == 0) return;
-  // cuBLASLt reads x's scales as [d_c / 128][rows] with rows a multiple of 4: the first n_main
-  // rows in one GEMM straight into k_nope's buffer, the last n % 4 (zero-padded to 4) into a
-  // 4-row scratch copied after it.
-  const int64_t n_main = n / 4 * 4, tiles = d.d_c / kFp8TileSize;
+  // The GEMMs' rows in multiples of kFp8GemmRows: the first n_main rows in one GEMM straight
+  // into k_nope's buffer, the last n % kFp8GemmRows (zero-padded) into a scratch copied after it.
+  constexpr int kRows = kFp8GemmRows;
+  const int64_t n_main = n / kRows * kRows, tiles = d.d_c / kFp8TileSize;
   const int64_t m = k_nope.shape[1] * (k_nope.shape[2] + v.shape[2]);
-  const Tensor codes = empty(DType::kU8, {(n + 3) / 4 * 4, d.d_c});
+  const Tensor codes = empty(DType::kU8, {(n + kRows - 1) / kRows * kRows, d.d_c});
   const Tensor scales = empty(DType::kF32, {tiles, std::max<int64_t>(n_main, 1)});
-  const Tensor tail_scales = empty(DType::kF32, {tiles, 4});
+  const Tensor tail_scales = empty(DType::kF32, {tiles, kRows});
   const GatherKvCodesParams p{locs.ptr<const int32_t>(),
                               pool.storage().ptr<const uint8_t>(),
                               codes.ptr<uint8_t>(),
@@ -662,8 +669,8 @@ void CudaBackend::up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs
   };
   if (n_main > 0) project(codes.ptr<const uint8_t>(), scales.ptr<const float>(), k_nope.data);
   if (n_main < n) {
-    const Tensor tail = empty(DType::kBF16, {4, m});
-    dims.rows = 4;
+    const Tensor tail = empty(DType::kBF16, {kRows, m});
+    dims.rows = kRows;
     project(codes.ptr<const uint8_t>() + n_main * d.d_c, tail_scales.ptr<const float>(),
             tail.ptr<bf16_t>());
     DSAKIT_CUDA_CHECK(cudaMemcpyAsync(

@@ -127,6 +127,7 @@ class CudaBackend final : public Backend {
   void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs, const Fp8BlockWeights& w,
                       const TensorView& k_nope, const TensorView& v,
                       const TensorView& k_pe) override;
+  int64_t up_proj_kv_fp8_scratch_bytes(int64_t n, int64_t w_rows, int d_c) const override;
 
   void sparse_mla(const SparseMlaArgs& args) override;
   void dense_mha(const DenseMhaArgs& args) override;

@@ -109,12 +109,11 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
                   index_bytes(batch);
   const Backend& be = backend_;
   if (path == AttentionPath::kDenseMha) {
-    // c_kv, k_pe of every position (FP8 up-projection: the codes and tile scales of n rounded up
-    // to 4, and its 4-row output scratch); k_nope, v up-projected per head; the kernel's scratch.
+    // c_kv (or the FP8 up-projection's own scratch), k_pe of every position; k_nope, v
+    // up-projected per head; the kernel's scratch.
     const int64_t up_rows = h * (c.qk_nope_head_dim + c.v_head_dim);
-    const int64_t n4 = (n + 3) / 4 * 4, tiles = c.kv_lora_rank / kFp8TileSize;
     bytes += (detail::fp8_up_proj_weights(be, kv_pool_, options_) != nullptr
-                  ? n4 * (c.kv_lora_rank + 4 * tiles) + 4 * mid * up_rows
+                  ? be.up_proj_kv_fp8_scratch_bytes(n, up_rows, c.kv_lora_rank)
                   : mid * n * c.kv_lora_rank) +
              mid * n * c.qk_rope_head_dim + mid * n * up_rows +
              be.dense_mha_scratch_bytes(n, h, c.qk_nope_head_dim, c.v_head_dim);

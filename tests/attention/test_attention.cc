@@ -250,8 +250,9 @@ INSTANTIATE_TEST_SUITE_P(Models, ProjectionTest, ::testing::ValuesIn(kAllDims),
 
 // up_proj_kv_fp8 on every backend that has it, against the float64 reference of the same pool
 // values and weights: both FP8 layouts (fp8 with amax and pow2 tile scales, fp8-raw), row counts
-// on either side of a multiple of 4 (cuBLASLt takes the last n % 4 rows apart), repeated
-// locations; then the refusals (a bf16 pool, a wrong scale shape) before anything is written.
+// below, at and past multiples of 16 (CUDA runs the last n % 16 rows as a GEMM of their own),
+// repeated locations; then the refusals (a bf16 pool, a wrong scale shape) before anything is
+// written.
 TEST(Fp8UpProjection, MatchesReference) {
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -287,7 +288,7 @@ TEST(Fp8UpProjection, MatchesReference) {
         desc.k_scale = 0.0625f;
         const FilledPool f = make_filled_pool(*b, rng, desc);
         const int d_qk = kDc + kDrope;
-        for (const int64_t n : {1, 6, 8, 13}) {
+        for (const int64_t n : {1, 6, 16, 29, 64}) {
           const std::string tag = std::string(to_string(l.layout)) + " " + to_string(l.policy) +
                                   " n=" + std::to_string(n);
           SCOPED_TRACE(tag);

@@ -35,7 +35,8 @@ struct StridedGemm {
   // e4m3 operands (operand type CUDA_R_8F_E4M3, transposed A, batch 1) with DeepSeek-style
   // block scales (cuBLASLt's, sm_90): A's one f32 per 128 x 128 block, row-major [ceil(m / 128)]
   // [k / 128] (k / 128 a multiple of 4), and B's one per 128 values of k, k-block-major
-  // [k / 128][n] (n a multiple of 4). Null for the other types.
+  // [k / 128][n] (n a multiple of 4; up_proj_kv_fp8 keeps it a multiple of 16). Null for the
+  // other types.
   const float* a_block_scales = nullptr;
   const float* b_k_scales = nullptr;
 };

@@ -49,7 +49,7 @@ cublasStatus_t gemm_up_project(const GemmContext& ctx, const ProjectionDims& dim
                                void* out);
 
 // The K/V up-projection in FP8: out[r, :] = W · x[r, :] for rows r of x u8 (e4m3) [rows, d_c]
-// (rows a multiple of 4), every head's whole W block at once, with the block scales StridedGemm
+// (rows a multiple of 16), every head's whole W block at once, with the block scales StridedGemm
 // describes — w_scales W's [ceil(H·(d_nope + d_v) / 128)][d_c / 128], x_scales
 // [d_c / 128][rows]; out bf16 [rows, H·(d_nope + d_v)]. CUBLAS_STATUS_NOT_SUPPORTED where cuBLASLt
 // has no block-scaled FP8 GEMM (before sm_90, before CUDA 12.9).
