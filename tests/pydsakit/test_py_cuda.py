@@ -210,6 +210,34 @@ def test_layer_forward_on_the_callers_stream_into_given_outputs(rng):
     assert torch.equal(o, want.o) and torch.equal(lse, want.lse)
 
 
+def test_fp8_weights_as_torch_float8(rng):
+    """kv_b_proj's FP8 form as torch.float8_e4m3fn codes and f32 block scales on the GPU (power
+    of two, so the bf16 weights are the same values): the dense layer's FP8 up-projection (no
+    gather stage) agrees with the bf16 weights' layer, from a cached prefix."""
+    s = CudaLayer(rng)
+    c = s.cfg
+    rows, d_c = c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank
+    codes = torch.empty(rows, d_c, device=DEV).uniform_(-448, 448).to(torch.float8_e4m3fn)
+    e = torch.randint(12, 15, ((rows + 127) // 128, d_c // 128), device=DEV)
+    scales = torch.exp2(-e.float())
+    w = (codes.float() * scales.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1))
+    w = w.to(torch.bfloat16)
+    options = dsakit.LayerOptions(dispatch="dense", time_stages=True)
+    plain = dsakit.DsaAttention(c, s.kv, s.ix, w, options)
+    fp8 = dsakit.DsaAttention(c, s.kv, s.ix, w, options, kv_b_proj_fp8=(codes, scales))
+    x = s.inputs(120)
+    first = dsakit.Batch([0], [100], [[0, 1]])
+    plain.forward(first, dsakit.LayerInputs(*(t[:100] for t in x)))
+    rest = dsakit.Batch([100], [20], [[0, 1]])  # the first 100 positions re-read from the pool
+    tail = dsakit.LayerInputs(*(t[100:] for t in x))
+    a, b = plain.forward(rest, tail), fp8.forward(rest, tail)
+    assert a.plan.path == b.plan.path == "dense_mha"
+    assert "gather" in dict(a.stages) and "gather" not in dict(b.stages), b.stages
+    oa, ob = a.o.double(), b.o.double()
+    assert torch.linalg.norm(oa - ob) <= 1e-2 * torch.linalg.norm(oa)
+    assert torch.max(torch.abs(a.lse - b.lse)) <= 1e-3
+
+
 def test_cuda_graph_of_a_layer_forward_replays_bit_exactly(rng):
     s = CudaLayer(rng)
     # cuda_graph=True: the dispatcher's rule 1 keeps the batch on the sparse path
