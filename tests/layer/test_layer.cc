@@ -510,6 +510,7 @@ TEST_P(LayerTest, Fp8WeightsOfTheWrongShapeAreRefused) {
   expect_refused({bf16_codes, scales}, "kv_b_proj_fp8.codes");
   expect_refused({codes, slice_rows(scales, 0, 1)}, "kv_b_proj_fp8.scales");
   expect_refused({codes, {}}, "kv_b_proj_fp8.scales");
+  expect_refused({{}, scales}, "kv_b_proj_fp8.codes");
 }
 
 TEST_P(LayerTest, TargetVerifyRoutesToSparse) {
