@@ -4,7 +4,7 @@
 #   2. the whole GoogleTest suite against the cuda backend (DSAKIT_TEST_BACKENDS, default cuda),
 #   3. compute-sanitizer memcheck / racecheck / initcheck on the CUDA test binaries,
 #   4. `dsakit run --device cuda --verify` over both presets x three layouts x
-#      {fresh, chunked, prefix-hit, decode},
+#      {fresh, chunked, prefix-hit, decode}, and with --fp8-weights on both FP8 layouts,
 #   5. the CUDA benchmark and the PyTorch SDPA peer,
 # then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files are read
 # from tests/data/peers (in the tree; DSAKIT_PEERS_DIR overrides).
@@ -139,6 +139,15 @@ if [ "${result[build]}" = PASS ] && want verify; then
     key="verify:$model:tp1:fp8:chunked"
     if timeout 180 build-dev/bin/dsakit run --device cuda --model $model --tp 1 --prompts 2500 \
          --chunk 1000 --verify --verify-tokens 16 >>"$out/verify.log" 2>&1; then result[$key]=PASS
+    else result[$key]=FAIL; fi
+  done
+  # The FP8 weights' up-projection (docs/layer.md#fp8-weights): dense over a prefix hit, both
+  # FP8 layouts.
+  for kv in fp8 fp8-raw; do
+    key="verify:deepseek-v3.2:fp8-weights:$kv:prefix"
+    if timeout 120 build-dev/bin/dsakit run --device cuda --kv $kv --prompts 1900,700 \
+         --prefix 1500,0 --fp8-weights --verify --verify-tokens 24 >>"$out/verify.log" 2>&1; then
+      result[$key]=PASS
     else result[$key]=FAIL; fi
   done
 fi
