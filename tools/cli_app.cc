@@ -102,7 +102,8 @@ int info_command() {
   fmt::print("dsakit {}\n", DSAKIT_VERSION);
   fmt::print("backends: cpu{}\n", cuda_backend_compiled() ? ", cuda (sm_90a)" : "");
   auto cpu = make_cpu_backend();
-  fmt::print("  cpu   {} (dense MHA: yes; any head dims)\n", cpu->capabilities().device_name);
+  fmt::print("  cpu   {} (dense MHA: yes; any head dims; FP8 up-projection: {})\n",
+             cpu->capabilities().device_name, cpu->capabilities().fp8_up_proj ? "yes" : "no");
   const int n = cuda_device_count();
   if (!cuda_backend_compiled()) {
     fmt::print("  cuda  not built (no nvcc at configure time)\n");
@@ -113,8 +114,8 @@ int info_command() {
       try {
         auto be = make_cuda_backend(i);
         const auto& c = be->capabilities();
-        fmt::print("  cuda:{} {} (sm_{}, dense MHA: {})\n", i, c.device_name, c.sm_arch,
-                   c.dense_mha ? "yes" : "no");
+        fmt::print("  cuda:{} {} (sm_{}, dense MHA: {}, FP8 up-projection: {})\n", i, c.device_name,
+                   c.sm_arch, c.dense_mha ? "yes" : "no", c.fp8_up_proj ? "yes" : "no");
       } catch (const Error& e) {
         fmt::print("  cuda:{} unusable: {}\n", i, e.what());
       }

@@ -197,3 +197,4 @@ def test_env_override_echoed(run, dsakit):
 def test_info(run):
     p = run("info")
     assert p.returncode == 0 and "backends: cpu" in p.stdout and "deepseek-v3.2" in p.stdout
+    assert "FP8 up-projection: yes" in p.stdout  # the CPU backend has it
