@@ -617,6 +617,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
   kd.num_pages = (t + 63) / 64 + 1;
   kd.d_c = c.kv_lora_rank;
   kd.d_rope = c.qk_rope_head_dim;
+  kd.scale_policy = ScalePolicy::kPow2;  // as dsakit's own writers store (the wgmma sparse kernel)
   PagedKvPool kv = be.make_kv_pool(kd);
   IndexKeyPool ix = be.make_index_pool({64, kd.num_pages, c.index_head_dim});
   const auto tables = allocate_pages(len, 64, kd.num_pages, 7);
