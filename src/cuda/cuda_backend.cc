@@ -653,6 +653,8 @@ void CudaBackend::up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs
                               k_pe.data,
                               k_pe.dtype == DType::kF32,
                               n,
+                              n_main,
+                              kRows,
                               d.num_locations(),
                               d.row(),
                               d.k_scale};

@@ -158,7 +158,8 @@ cublasStatus_t gemm_up_project_fp8(const GemmContext& ctx, const ProjectionDims&
                                    void* out) {
   // gemm_up_project's one-GEMM form, with W's 128 x 128 block scales on A and X's per-128
   // scales on B.
-  if (!fits_int(d.rows) || !fits_int(int64_t(d.heads) * (d.d_nope + d.d_v)) || d.rows % 16 != 0)
+  if (!fits_int(d.rows) || !fits_int(int64_t(d.heads) * (d.d_nope + d.d_v)) ||
+      d.rows % kFp8GemmRows != 0)
     return CUBLAS_STATUS_INVALID_VALUE;
   StridedGemm g = whole_up_projection(d, x, w, out);
   g.a_block_scales = w_scales;

@@ -48,11 +48,16 @@ cublasStatus_t gemm_up_project(const GemmContext& ctx, const ProjectionDims& dim
                                const void* w, int w_row_offset, int out_dim, cudaDataType out_type,
                                void* out);
 
+// Rows of the FP8 up-projection's GEMMs come in multiples of this: cuBLASLt reads the codes'
+// per-128 scales as [d_c / 128][rows] with rows a multiple of 4, and its FP8 GEMMs are asked for
+// no dimension that is not a multiple of 16.
+inline constexpr int kFp8GemmRows = 16;
+
 // The K/V up-projection in FP8: out[r, :] = W · x[r, :] for rows r of x u8 (e4m3) [rows, d_c]
-// (rows a multiple of 16), every head's whole W block at once, with the block scales StridedGemm
-// describes — w_scales W's [ceil(H·(d_nope + d_v) / 128)][d_c / 128], x_scales
-// [d_c / 128][rows]; out bf16 [rows, H·(d_nope + d_v)]. CUBLAS_STATUS_NOT_SUPPORTED where cuBLASLt
-// has no block-scaled FP8 GEMM (before sm_90, before CUDA 12.9).
+// (rows a multiple of kFp8GemmRows), every head's whole W block at once, with the block scales
+// StridedGemm describes — w_scales W's [ceil(H·(d_nope + d_v) / 128)][d_c / 128], x_scales [d_c /
+// 128][rows]; out bf16 [rows, H·(d_nope + d_v)]. CUBLAS_STATUS_NOT_SUPPORTED where cuBLASLt has no
+// block-scaled FP8 GEMM (before sm_90, before CUDA 12.9).
 cublasStatus_t gemm_up_project_fp8(const GemmContext& ctx, const ProjectionDims& dims,
                                    const void* x, const float* x_scales, const void* w,
                                    const float* w_scales, void* out);

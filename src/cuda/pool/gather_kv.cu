@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) gather_kv_kernel(const GatherKvParam
 template <KvLayout kLayout>
 __global__ void __launch_bounds__(kThreads) gather_kv_codes_kernel(const GatherKvCodesParams p) {
   static_assert(kLayout != KvLayout::kBf16, "the bf16 layout has no codes");
-  const int64_t r = blockIdx.x, n_main = p.n / kFp8GemmRows * kFp8GemmRows;
+  const int64_t r = blockIdx.x, n_main = p.n_main;
   const int32_t loc = r < p.n ? p.locs[r] : -1;
   const bool valid = loc >= 0 && loc < p.num_locations;
   const int d_c = p.row.d_c, tiles = d_c / kFp8TileSize;
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) gather_kv_codes_kernel(const GatherK
     if (r < n_main)
       p.scales[b * n_main + r] = s;
     else
-      p.tail_scales[b * kFp8GemmRows + (r - n_main)] = s;
+      p.tail_scales[int64_t(b) * p.tail_rows + (r - n_main)] = s;
   }
   if (r < p.n)
     gather_rope<kLayout>(row + p.row.rope_offset(), valid, r, p.row.d_rope, p.k_pe, p.k_pe_f32,
@@ -101,8 +101,10 @@ __global__ void __launch_bounds__(kThreads) gather_kv_codes_kernel(const GatherK
 
 cudaError_t launch_gather_kv_codes(const GatherKvCodesParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
-  if (p.n > INT32_MAX - kFp8GemmRows || p.row.d_c % kFp8TileSize != 0) return cudaErrorInvalidValue;
-  const auto padded = unsigned((p.n + kFp8GemmRows - 1) / kFp8GemmRows * kFp8GemmRows);
+  if (p.n_main < 0 || p.n_main > p.n || p.n - p.n_main > p.tail_rows ||
+      p.n > INT32_MAX - p.tail_rows || p.row.d_c % kFp8TileSize != 0)
+    return cudaErrorInvalidValue;
+  const auto padded = unsigned(p.n_main + (p.n > p.n_main ? p.tail_rows : 0));
   if (p.row.layout == KvLayout::kFp8Scaled)
     gather_kv_codes_kernel<KvLayout::kFp8Scaled><<<padded, kThreads, 0, stream>>>(p);
   else if (p.row.layout == KvLayout::kFp8Raw)

@@ -37,18 +37,13 @@ struct GatherKvParams {
   float k_scale;  // fp8-raw only
 };
 
-// Rows of the FP8 up-projection's GEMMs come in multiples of this (up_proj_kv_fp8): cuBLASLt
-// reads the codes' per-128 scales as [d_c / 128][rows] with rows a multiple of 4, and its FP8
-// GEMMs are asked for no dimension that is not a multiple of 16.
-inline constexpr int kFp8GemmRows = 16;
-
-// FP8 pool rows as a block-scaled FP8 GEMM reads them (up_proj_kv_fp8): rows [0, n_padded),
-// n_padded = n rounded up to kFp8GemmRows, n_main = n rounded down to it. codes u8
-// [n_padded, d_c]: row r < n the row's d_c latent codes as stored, zeros past n or for an invalid
-// location. Scales f32 per 128-column tile, tile-major in two parts: row r < n_main at
-// scales[b * n_main + r], row n_main <= r < n_padded at tail_scales[b * kFp8GemmRows + r -
-// n_main] (tile scale, k_scale for fp8-raw; 0 past n or for an invalid location). k_pe as
-// GatherKvParams::k_pe.
+// FP8 pool rows as a block-scaled FP8 GEMM reads them (up_proj_kv_fp8), split as its caller runs
+// the GEMM: rows [0, n_main) and, when n > n_main, a tail of tail_rows rows [n_main, n_padded),
+// n_padded = n_main + tail_rows. codes u8 [n_padded, d_c]: row r < n the row's d_c latent codes
+// as stored, zeros past n or for an invalid location. Scales f32 per 128-column tile,
+// tile-major in two parts: row r < n_main at scales[b * n_main + r], row n_main <= r < n_padded
+// at tail_scales[b * tail_rows + r - n_main] (tile scale, k_scale for fp8-raw; 0 past n or for
+// an invalid location). k_pe as GatherKvParams::k_pe.
 struct GatherKvCodesParams {
   const int32_t* locs;  // [n] pool locations
   const uint8_t* rows;  // [num_locations, row.bytes_per_token()], an fp8 or fp8-raw layout
@@ -58,6 +53,8 @@ struct GatherKvCodesParams {
   void* k_pe;  // [n, d_rope] f32 if k_pe_f32 else bf16
   bool k_pe_f32;
   int64_t n;
+  int64_t n_main;  // <= n; n - n_main <= tail_rows
+  int tail_rows;
   int64_t num_locations;
   KvRowLayout row;  // d_c a multiple of 128
   float k_scale;    // fp8-raw only
