@@ -26,6 +26,8 @@ namespace dsakit {
 namespace {
 
 using reference::Vec;
+using testing::expect_error_naming;
+using testing::poisoned;
 using testing::Rng;
 
 constexpr int kDc = 512;
@@ -63,13 +65,6 @@ void for_each_backend(const std::function<void(Backend&)>& fn) {
     ++ran;
   }
   if (ran == 0) GTEST_SKIP() << "no backend under test has f32 attention intermediates";
-}
-
-// A device tensor filled with NaN (or 0xFF bytes): whatever a kernel leaves unwritten shows.
-Tensor poisoned(Backend& b, DType dtype, const std::vector<int64_t>& shape) {
-  Tensor t = b.empty(dtype, shape);
-  b.poison(t);
-  return t;
 }
 
 Vec read(Backend& b, const TensorView& t) {
@@ -129,17 +124,6 @@ Vec per_head_keys(const Vec& k_nope, const Vec& k_pe, int64_t n, int heads, int 
 bool rows_bitwise_equal(const Vec& a, const Vec& b, int64_t row, int64_t width) {
   return std::memcmp(a.data() + row * width, b.data() + row * width,
                      size_t(width) * sizeof(double)) == 0;
-}
-
-// Error thrown by fn must be a dsakit::Error whose message names `arg`.
-void expect_error_naming(const std::function<void()>& fn, const std::string& arg) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an Error naming '" << arg << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(arg), std::string::npos)
-        << "message '" << e.what() << "' does not name '" << arg << "'";
-  }
 }
 
 // A latent pool with every location written by store_kv from random bf16 c_kv / k_pe.

@@ -89,6 +89,27 @@ std::string peers_dir() {
 #include "dsakit/backend.h"
 
 namespace dsakit::testing {
+Tensor poisoned(Backend& be, DType dtype, const std::vector<int64_t>& shape) {
+  Tensor t = be.empty(dtype, shape);
+  if (dtype == DType::kI32)
+    be.fill_bytes(t.view(), kSentinelByte);
+  else
+    be.poison(t.view());
+  return t;
+}
+
+void expect_error_naming(const std::function<void()>& fn, const std::string& arg,
+                         std::optional<ErrorKind> kind) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an Error naming '" << arg << "'";
+  } catch (const Error& e) {
+    if (kind) EXPECT_EQ(e.kind(), *kind) << e.what();
+    EXPECT_NE(std::string(e.what()).find(arg), std::string::npos)
+        << "message '" << e.what() << "' does not name '" << arg << "'";
+  }
+}
+
 std::vector<std::string> test_backends() {
   if (const char* s = std::getenv("DSAKIT_TEST_BACKENDS")) {
     std::vector<std::string> out;

@@ -5,12 +5,19 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "dsakit/error.h"
 #include "dsakit/formats.h"
 #include "dsakit/tensor.h"
+
+namespace dsakit {
+class Backend;
+}
 
 namespace dsakit::testing {
 
@@ -44,6 +51,18 @@ double max_abs_diff(const std::vector<double>& out, const std::vector<double>& r
 
 // FNV-1a 64 of a host tensor's bytes: pool checksums before/after rejected calls.
 uint64_t checksum(const TensorView& host);
+
+// The byte of a poisoned i32 tensor: 0x5A5A5A5A is no position, and not the -1 that top-k and
+// the DCP ops write on purpose.
+inline constexpr uint8_t kSentinelByte = 0x5A;
+
+// A tensor on `be` that shows whatever an op leaves unwritten: NaN in the float dtypes and 0xFF
+// bytes in u8 (Backend::poison), kSentinelByte bytes in i32.
+Tensor poisoned(Backend& be, DType dtype, const std::vector<int64_t>& shape);
+
+// fn throws a dsakit::Error whose message names `arg` (and of kind `kind`, when given).
+void expect_error_naming(const std::function<void()>& fn, const std::string& arg,
+                         std::optional<ErrorKind> kind = std::nullopt);
 
 // Tolerances of docs/numerics.md#tolerances.
 inline constexpr double kTolBf16 = 1e-2;

@@ -25,6 +25,8 @@
 namespace dsakit {
 namespace {
 
+using testing::kSentinelByte;
+using testing::poisoned;
 using testing::Rng;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -67,19 +69,6 @@ Tensor random_vectors_bf16(Rng& rng, const std::vector<int64_t>& shape) {
     for (int64_t c = 0; c < cols; ++c)
       t.ptr<bf16_t>()[r * cols + c] = f32_to_bf16(rng.normal(scale));
   }
-  return t;
-}
-
-// The poisoned device output of an op, created from a shape. Integer outputs are filled with
-// kSentinelByte instead of poison's 0xFF: -1 is a value top-k writes on purpose.
-constexpr uint8_t kSentinelByte = 0x5A;
-
-Tensor poisoned(Backend& be, DType dtype, const std::vector<int64_t>& shape) {
-  Tensor t = be.empty(dtype, shape);
-  if (dtype == DType::kI32)
-    be.fill_bytes(t.view(), kSentinelByte);
-  else
-    be.poison(t.view());
   return t;
 }
 

@@ -19,11 +19,12 @@
 namespace dsakit {
 namespace {
 
+using testing::expect_error_naming;
+using testing::poisoned;
 using testing::Rng;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr uint8_t kPoisonByte = 0x5A;  // i32 0x5A5A5A5A: no position and not the -1 padding
 
 // Runs fn(backend) once per test backend (cpu, and cuda where a GPU is present).
 void for_each_backend(const std::function<void(Backend&)>& fn) {
@@ -55,23 +56,6 @@ Tensor random_bytes(Rng& rng, DType dtype, const std::vector<int64_t>& shape) {
   auto* p = t.ptr<uint8_t>();
   for (size_t i = 0; i < t.nbytes(); ++i) p[i] = uint8_t(rng.randint(0, 255));
   return t;
-}
-
-// A device tensor with every byte kPoisonByte.
-Tensor poisoned(Backend& b, DType dtype, const std::vector<int64_t>& shape) {
-  Tensor t = b.empty(dtype, shape);
-  b.fill_bytes(t, kPoisonByte);
-  return t;
-}
-
-void expect_error_naming(const std::function<void()>& fn, const std::string& arg) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an Error naming '" << arg << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(arg), std::string::npos)
-        << "message '" << e.what() << "' does not name '" << arg << "'";
-  }
 }
 
 // ---- select_rows ---------------------------------------------------------------------------
