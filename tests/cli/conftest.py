@@ -5,18 +5,10 @@ import subprocess
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="session")
-def dsakit() -> pathlib.Path:
-    build = pathlib.Path(os.environ.get("DSAKIT_BUILD_DIR", "build"))
-    if not build.is_absolute():
-        build = REPO / build
-    path = build / "bin" / "dsakit"
-    if not path.exists():
-        pytest.fail(f"{path} not found: build the target dsakit_cli or set DSAKIT_BUILD_DIR")
-    return path
+def dsakit(build_file) -> pathlib.Path:
+    return build_file("bin/dsakit", "dsakit_cli")
 
 
 @pytest.fixture

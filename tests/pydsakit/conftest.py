@@ -10,12 +10,10 @@ DSAKIT_BUILD_DIR (default build/) holds the dsakit CLI the layer is compared wit
 """
 import os
 import pathlib
-import secrets
 import subprocess
 import sys
 import tempfile
 
-import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -59,20 +57,6 @@ def wheel_site():
     return _SITE
 
 
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    """A generator with a fresh seed per test (DSAKIT_TEST_SEED replays one), printed on failure."""
-    seed = int(os.environ.get("DSAKIT_TEST_SEED", secrets.randbits(63)))
-    print(f"{request.node.name}: seed {seed} (replay with DSAKIT_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
-
-
 @pytest.fixture(scope="session")
-def cli() -> pathlib.Path:
-    build = pathlib.Path(os.environ.get("DSAKIT_BUILD_DIR", "build"))
-    if not build.is_absolute():
-        build = REPO / build
-    path = build / "bin" / "dsakit"
-    if not path.exists():
-        pytest.fail(f"{path} not found: build the target dsakit_cli or set DSAKIT_BUILD_DIR")
-    return path
+def cli(build_file) -> pathlib.Path:
+    return build_file("bin/dsakit", "dsakit_cli")
