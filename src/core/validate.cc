@@ -230,6 +230,10 @@ void fp8_block_weights(const Fp8BlockWeights& w, Device dev, int64_t rows, int64
                {(rows + kFp8TileSize - 1) / kFp8TileSize, d_c / kFp8TileSize});
 }
 
+void optional_fp8_block_weights(const Fp8BlockWeights& w, Device dev, int64_t rows, int64_t d_c) {
+  if (w.defined() || w.scales.ndim != 0) fp8_block_weights(w, dev, rows, d_c);
+}
+
 void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs, const Fp8BlockWeights& w,
                     const TensorView& k_nope, const TensorView& v, const TensorView& k_pe,
                     Device dev, const int32_t* host_locs, bool kv_halves_ok) {

@@ -46,6 +46,9 @@ void up_proj_kv(const TensorView& c_kv, const TensorView& kv_b_proj, const Tenso
                 const TensorView& v, Device dev, bool kv_halves_ok = false);
 // Fp8BlockWeights of a [rows, d_c] kv_b_proj (d_c a multiple of 128).
 void fp8_block_weights(const Fp8BlockWeights& w, Device dev, int64_t rows, int64_t d_c);
+// LayerOptions::kv_b_proj_fp8: nothing given passes; either half given makes both required (a
+// lone scales tensor is refused, not ignored), then as fp8_block_weights.
+void optional_fp8_block_weights(const Fp8BlockWeights& w, Device dev, int64_t rows, int64_t d_c);
 // An fp8 or fp8-raw pool; k_nope / v as in up_proj_kv, k_pe as in gather_kv.
 void up_proj_kv_fp8(const PagedKvPool& pool, const TensorView& locs, const Fp8BlockWeights& w,
                     const TensorView& k_nope, const TensorView& v, const TensorView& k_pe,

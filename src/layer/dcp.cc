@@ -51,10 +51,8 @@ DcpRank::DcpRank(ModelConfig config, Backend& backend, DcpComm& comm, const KvPo
   check_tensor(kv_b_proj_, "kv_b_proj", DType::kBF16, be_.device(),
                {int64_t(config_.num_heads) * (config_.qk_nope_head_dim + config_.v_head_dim),
                 config_.kv_lora_rank});
-  // Either half given makes both required (a lone scales tensor is refused, not ignored).
-  if (options_.kv_b_proj_fp8.defined() || options_.kv_b_proj_fp8.scales.ndim != 0)
-    validate::fp8_block_weights(options_.kv_b_proj_fp8, be_.device(), kv_b_proj_.shape[0],
-                                config_.kv_lora_rank);
+  validate::optional_fp8_block_weights(options_.kv_b_proj_fp8, be_.device(), kv_b_proj_.shape[0],
+                                       config_.kv_lora_rank);
   for (const int32_t len : max_lengths_)
     DSAKIT_CHECK_ARG(len >= 0, "dcp max_lengths: expected >= 0, got ", len);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();

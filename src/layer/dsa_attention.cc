@@ -51,10 +51,8 @@ DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv
   const int64_t h = config_.num_heads;
   check_tensor(kv_b_proj_, "kv_b_proj", DType::kBF16, dev,
                {h * (config_.qk_nope_head_dim + config_.v_head_dim), config_.kv_lora_rank});
-  // Either half given makes both required (a lone scales tensor is refused, not ignored).
-  if (options_.kv_b_proj_fp8.defined() || options_.kv_b_proj_fp8.scales.ndim != 0)
-    validate::fp8_block_weights(options_.kv_b_proj_fp8, dev, kv_b_proj_.shape[0],
-                                config_.kv_lora_rank);
+  validate::optional_fp8_block_weights(options_.kv_b_proj_fp8, dev, kv_b_proj_.shape[0],
+                                       config_.kv_lora_rank);
   DSAKIT_CHECK_ARG(options_.output_dtype == DType::kBF16 || options_.output_dtype == DType::kF32,
                    "output dtype: expected bf16 or f32, got ", to_string(options_.output_dtype));
   DSAKIT_CHECK(options_.output_dtype == DType::kBF16 ||
