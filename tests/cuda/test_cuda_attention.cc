@@ -775,6 +775,16 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   cases.push_back({192, 256, 4, {{0, 517}, {400, 191}}, 0.2});
   cases.push_back({128, 128, 4, {{0, 900}}, 0.05});
   cases.push_back({192, 256, 4, {{0, 900}}, 0.05});
+  // <= 64 rows over >= 2 blocks (the sm90 kernel's split blocks, each group every other block):
+  // two blocks whose second is past the first rows (group 1 sees no key of rows 0..27 / 0..19),
+  // odd and even block counts with the running max moving, and split-KV parts of several
+  // blocks (one tile x 40 heads: 3 parts on a 132-SM H200).
+  cases.push_back({128, 128, 16, {{100, 40}, {60, 4}}});
+  cases.push_back({192, 256, 16, {{60, 40}, {5, 60}}});
+  cases.push_back({128, 128, 4, {{300, 60}, {700, 33}}, 0.2});
+  cases.push_back({192, 256, 4, {{300, 60}, {700, 33}}, 0.2});
+  cases.push_back({128, 128, 40, {{2000, 48}}, 0.05});
+  cases.push_back({192, 256, 40, {{2000, 48}}, 0.05});
   constexpr int kDr = 64;
   for (const DenseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {
@@ -869,54 +879,59 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
 // tile's last visible row as zeros, so P = 0 never multiplies another request's NaN).
 TEST_F(CudaDenseMha, NanInALaterRequestDoesNotReachAnEarlierOne) {
   constexpr int kDr = 64;
-  for (const auto& [d_nope, d_v] : {std::pair{128, 128}, std::pair{192, 256}})
-    for (const char* kernel : {"sm80", "sm90"}) {
-      const KernelScope scope("DSAKIT_DENSE_MHA_KERNEL", kernel);
-      const uint64_t seed = testing::fresh_seed();
-      SCOPED_TRACE(::testing::Message()
-                   << "seed " << seed << " kernel " << kernel << " d_v " << d_v);
-      Rng rng(seed);
-      const std::vector<int32_t> cu_q{0, 100, 150}, cu_kv{0, 100, 150};
-      const int t_n = 150, h = 2, first = 100;
-      Tensor q_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, d_nope});
-      Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr});
-      Tensor k_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, d_nope});
-      Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {t_n, kDr});
-      Tensor v = testing::random_tensor(rng, DType::kBF16, {t_n, h, d_v});
-      Tensor qn_d = to_dev(q_nope), qp_d = to_dev(q_pe), cq_d = to_dev(host_i32(cu_q)),
-             ck_d = to_dev(host_i32(cu_kv));
-      std::vector<uint8_t> clean_bits[2];
-      for (int poison_second = 0; poison_second < 2; ++poison_second) {
-        if (poison_second) {
-          const bf16_t nan{uint16_t(0x7FC0)};
-          for (int64_t i = int64_t(first) * h * d_nope; i < int64_t(t_n) * h * d_nope; ++i)
-            k_nope.ptr<bf16_t>()[i] = nan;
-          for (int64_t i = int64_t(first) * kDr; i < int64_t(t_n) * kDr; ++i)
-            k_pe.ptr<bf16_t>()[i] = nan;
-          for (int64_t i = int64_t(first) * h * d_v; i < int64_t(t_n) * h * d_v; ++i)
-            v.ptr<bf16_t>()[i] = nan;
+  // The first request (prefix, extend) and a 50-token second one: 100 fresh rows (one tile,
+  // both consumer groups), and 40 rows over a 100-position prefix (the sm90 kernel's split
+  // blocks: its second block, group 1's, reaches into the NaN rows).
+  for (const auto& [prefix, extend] : {std::pair{0, 100}, std::pair{100, 40}})
+    for (const auto& [d_nope, d_v] : {std::pair{128, 128}, std::pair{192, 256}})
+      for (const char* kernel : {"sm80", "sm90"}) {
+        const KernelScope scope("DSAKIT_DENSE_MHA_KERNEL", kernel);
+        const uint64_t seed = testing::fresh_seed();
+        SCOPED_TRACE(::testing::Message() << "seed " << seed << " kernel " << kernel << " d_v "
+                                          << d_v << " prefix " << prefix << " extend " << extend);
+        Rng rng(seed);
+        const int first = extend, first_kv = prefix + extend;  // the first request's q / kv rows
+        const std::vector<int32_t> cu_q{0, first, first + 50}, cu_kv{0, first_kv, first_kv + 50};
+        const int t_n = cu_q.back(), n = cu_kv.back(), h = 2;
+        Tensor q_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, d_nope});
+        Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr});
+        Tensor k_nope = testing::random_tensor(rng, DType::kBF16, {n, h, d_nope});
+        Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {n, kDr});
+        Tensor v = testing::random_tensor(rng, DType::kBF16, {n, h, d_v});
+        Tensor qn_d = to_dev(q_nope), qp_d = to_dev(q_pe), cq_d = to_dev(host_i32(cu_q)),
+               ck_d = to_dev(host_i32(cu_kv));
+        std::vector<uint8_t> clean_bits[2];
+        for (int poison_second = 0; poison_second < 2; ++poison_second) {
+          if (poison_second) {
+            const bf16_t nan{uint16_t(0x7FC0)};
+            for (int64_t i = int64_t(first_kv) * h * d_nope; i < int64_t(n) * h * d_nope; ++i)
+              k_nope.ptr<bf16_t>()[i] = nan;
+            for (int64_t i = int64_t(first_kv) * kDr; i < int64_t(n) * kDr; ++i)
+              k_pe.ptr<bf16_t>()[i] = nan;
+            for (int64_t i = int64_t(first_kv) * h * d_v; i < int64_t(n) * h * d_v; ++i)
+              v.ptr<bf16_t>()[i] = nan;
+          }
+          Tensor kn_d = to_dev(k_nope), kp_d = to_dev(k_pe), v_d = to_dev(v);
+          Tensor o = poisoned(DType::kBF16, {t_n, h, d_v});
+          Tensor lse = poisoned(DType::kF32, {t_n, h});
+          DenseMhaArgs a = dense_args(qn_d, qp_d, kn_d, kp_d, v_d, cq_d, ck_d, cu_q, cu_kv,
+                                      1.0 / std::sqrt(double(d_nope + kDr)));
+          a.o = o.view();
+          a.lse = lse.view();
+          backend_->dense_mha(a);
+          const Tensor o_h = backend_->to_host(o.view()), lse_h = backend_->to_host(lse.view());
+          // The first request's rows: o then lse.
+          std::vector<uint8_t> bits(size_t(first) * h * (d_v * 2 + 4));
+          std::memcpy(bits.data(), o_h.ptr<uint8_t>(), size_t(first) * h * d_v * 2);
+          std::memcpy(bits.data() + size_t(first) * h * d_v * 2, lse_h.ptr<uint8_t>(),
+                      size_t(first) * h * 4);
+          const auto o_first = testing::to_double(o_h.view());
+          for (size_t i = 0; i < size_t(first) * h * d_v; ++i)
+            ASSERT_TRUE(std::isfinite(o_first[i])) << "o[" << i << "]";
+          clean_bits[poison_second] = std::move(bits);
         }
-        Tensor kn_d = to_dev(k_nope), kp_d = to_dev(k_pe), v_d = to_dev(v);
-        Tensor o = poisoned(DType::kBF16, {t_n, h, d_v});
-        Tensor lse = poisoned(DType::kF32, {t_n, h});
-        DenseMhaArgs a = dense_args(qn_d, qp_d, kn_d, kp_d, v_d, cq_d, ck_d, cu_q, cu_kv,
-                                    1.0 / std::sqrt(double(d_nope + kDr)));
-        a.o = o.view();
-        a.lse = lse.view();
-        backend_->dense_mha(a);
-        const Tensor o_h = backend_->to_host(o.view()), lse_h = backend_->to_host(lse.view());
-        // The first request's rows: o then lse.
-        std::vector<uint8_t> bits(size_t(first) * h * (d_v * 2 + 4));
-        std::memcpy(bits.data(), o_h.ptr<uint8_t>(), size_t(first) * h * d_v * 2);
-        std::memcpy(bits.data() + size_t(first) * h * d_v * 2, lse_h.ptr<uint8_t>(),
-                    size_t(first) * h * 4);
-        const auto o_first = testing::to_double(o_h.view());
-        for (size_t i = 0; i < size_t(first) * h * d_v; ++i)
-          ASSERT_TRUE(std::isfinite(o_first[i])) << "o[" << i << "]";
-        clean_bits[poison_second] = std::move(bits);
+        EXPECT_EQ(clean_bits[0], clean_bits[1]) << "NaN after the first request changed its rows";
       }
-      EXPECT_EQ(clean_bits[0], clean_bits[1]) << "NaN after the first request changed its rows";
-    }
 }
 
 TEST_F(CudaDenseMha, UnsupportedHeadDimsAreRejected) {

@@ -10,7 +10,11 @@
 //     or the tensor's end, which TMA reads as zeros): those V rows are zeroed before the block is
 //     released, so P = 0 there multiplies zeros, never another row's NaN or Inf.
 //   WG0 / WG1 (consumers): WG w owns query rows [64w, 64w + 64) of the tile and visits the kv
-//     blocks those rows see. Per block b:
+//     blocks those rows see. A tile of <= 64 rows over >= 2 blocks (a short extend over a
+//     prefix, a prompt's last rows) would leave WG1 idle: there both groups take rows [0, 64),
+//     group w the blocks w, w + 2, ... (with two stages, always stage w: each block has one
+//     consumer), and at the end WG1 hands its (m, l, O) to WG0 through the drained ring, which
+//     combines the two by their offsets. Per block b:
 //       S = Q_w · K_bᵀ                  (64 x kBlockN, wgmma from shared memory, K = d_qk)
 //       P = exp2(S · sm_scale · log2 e − m), the online offset m (a lagging max) and sum l per
 //         row (registers)
@@ -24,6 +28,8 @@
 //   K  [kStages][d_qk / 64 tiles of kBlockN rows]
 //   V  [kStages][d_v / 64 tiles of kBlockN rows]
 //   mbarriers: q_full, k_full[s], k_empty[s], v_full[s], v_empty[s], v_staged[s]
+//   split blocks, after the last block: WG1's O, m, l as [kDimV / 2 + 4][128 threads] f32
+//     over the K and V stages
 #pragma once
 
 #include <cuda.h>
@@ -80,6 +86,9 @@ struct DenseSm90Traits {
   static constexpr int kBarVStaged = kBarVEmpty + 8 * kStages;
   static constexpr int kSmemBytes = kBarVStaged + 8 * kStages;
   static constexpr int kTurn0 = 1;  // named barriers kTurn0 + w: group w's turn to issue MMAs
+  static constexpr int kMerge = 3;  // named barrier of the split-block hand-over (256 threads)
+  static constexpr int kMergeBytes = (kDimV / 2 + 4) * 128 * 4;
+  static_assert(kMergeBytes <= kBars - kK, "the hand-over fits in the K and V stages");
   // How far (log2 units) a block's max may pass the softmax offset before O is rescaled.
   static constexpr float kRescaleSlack = 8.f;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
@@ -128,6 +137,47 @@ __device__ __forceinline__ void issue_pv(float (&o)[kDimV / 2], const uint32_t (
   }
 }
 
+// Split blocks, after both groups' last block: WG1's O (its fragment, kDimV / 2 values), offsets
+// m and partial sums l of rows row0, row0 + 8 pass to WG0 through `xfer` ([kDimV / 2 + 4][128]
+// f32, thread-minor: conflict-free), and WG0 combines them with its own: each side weighted by
+// 2^(m_w - max m) (0 for a side that saw no key of the row, m_w = -inf), so O / l and m are those
+// of all the tile's blocks. Threads of the two groups with the same index hold the same rows and
+// columns. Every MMA of both groups has completed and every block has landed before the first
+// barrier: the K and V stages are free.
+template <int kMerge, int kDimV>
+__device__ __forceinline__ void merge_split_blocks(float (&o)[kDimV / 2], float (&m)[2],
+                                                   float (&l)[2], float* xfer, int wg, int wtid) {
+  constexpr int kM = kDimV / 2, kL = kDimV / 2 + 2;  // rows of xfer holding m[2], l[2]
+  sm90::named_barrier_sync(kMerge, 256);
+  if (wg == 1) {
+#pragma unroll
+    for (int i = 0; i < kDimV / 2; ++i) xfer[i * 128 + wtid] = o[i];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      xfer[(kM + r) * 128 + wtid] = m[r];
+      xfer[(kL + r) * 128 + wtid] = l[r];
+    }
+    sm90::named_barrier_arrive(kMerge, 256);
+    return;
+  }
+  sm90::named_barrier_sync(kMerge, 256);
+  float mine[2], theirs[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m1 = xfer[(kM + r) * 128 + wtid], l1 = xfer[(kL + r) * 128 + wtid];
+    const float mx = fmaxf(m[r], m1);
+    mine[r] = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mx);
+    theirs[r] = m1 == -INFINITY ? 0.f : exp2f(m1 - mx);
+    l[r] = l[r] * mine[r] + l1 * theirs[r];
+    m[r] = mx;
+  }
+#pragma unroll
+  for (int i = 0; i < kDimV / 2; ++i) {
+    const int r = (i >> 1) & 1;  // o[4 j + 2 r + e] is row row0 + 8 r
+    o[i] = o[i] * mine[r] + xfer[i * 128 + wtid] * theirs[r];
+  }
+}
+
 template <int kDimNope, int kDimRope, int kDimV>
 __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kThreads, 1)
     dense_mha_sm90_kernel(const __grid_constant__ DenseMhaSm90Params params) {
@@ -147,14 +197,18 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   const int kv_len = tile.first_query_pos + tile.q_len;  // rows the tile's last query sees
   const int block_begin = tile.block_begin;
   const int block_end = max(block_begin, min(tile.block_end, (kv_len + kN - 1) / kN));
+  // Split blocks: both groups on rows [0, 64), block i (from block_begin) consumed by group i % 2
+  // alone, so a stage is released by 128 threads rather than 256.
+  const bool split_blocks = tile.q_len <= Tr::kWgRows && block_end - block_begin >= 2;
+  const uint32_t releasers = split_blocks ? 128 : 256;
 
   if (threadIdx.x == 0) {
     sm90::mbarrier_init(bar_q, 1);
     for (int s = 0; s < kStages; ++s) {
       sm90::mbarrier_init(bar(Tr::kBarKFull, s), 1);
-      sm90::mbarrier_init(bar(Tr::kBarKEmpty, s), 256);
+      sm90::mbarrier_init(bar(Tr::kBarKEmpty, s), releasers);
       sm90::mbarrier_init(bar(Tr::kBarVFull, s), 1);
-      sm90::mbarrier_init(bar(Tr::kBarVEmpty, s), 256);
+      sm90::mbarrier_init(bar(Tr::kBarVEmpty, s), releasers);
       sm90::mbarrier_init(bar(Tr::kBarVStaged, s), 1);
     }
     sm90::fence_barrier_init();
@@ -181,24 +235,33 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
           sm90::tma_load_3d(dst, &params.q_pe, bar_q, 64 * (c - Tr::kNopeTiles), h, tile.q_begin);
       }
     }
-    for (int i = 0; block_begin + i < block_end; ++i) {
+    // A group's step over block i waits for K of its next block and V of block i: the next
+    // block is i + 1 (K of block i loaded before V of block i, k_ahead 0) or, with split
+    // blocks, i + 2 (K of block i + 1 before V of block i: k_ahead 1).
+    const int num_blocks = block_end - block_begin, k_ahead = split_blocks ? 1 : 0;
+    const auto load_k = [&](int i) {
+      const int stage = i % kStages;
+      const uint32_t k = k_tiles + stage * Tr::kKStageBytes, k_full = bar(Tr::kBarKFull, stage);
+      const int row0 = tile.kv_begin + (block_begin + i) * kN;
+      sm90::mbarrier_wait(bar(Tr::kBarKEmpty, stage), ((i / kStages) & 1) ^ 1);
+      sm90::mbarrier_arrive_expect_tx(k_full, Tr::kKStageBytes);
+#pragma unroll
+      for (int c = 0; c < Tr::kQkTiles; ++c) {
+        const uint32_t dst = k + c * Tr::kKvTileBytes;
+        if (c < Tr::kNopeTiles)
+          sm90::tma_load_3d(dst, &params.k_nope, k_full, 64 * c, h, row0);
+        else
+          sm90::tma_load_2d(dst, &params.k_pe, k_full, 64 * (c - Tr::kNopeTiles), row0);
+      }
+    };
+    int k_next = 0;  // the next block whose K is loaded
+    for (int i = 0; i < num_blocks; ++i) {
       const int b = block_begin + i, stage = i % kStages;
       const uint32_t free_phase = ((i / kStages) & 1) ^ 1;
       const int row0 = tile.kv_begin + b * kN;
       const int ok_rows = kv_len - b * kN;  // >= 1
-      if (lane == 0) {
-        const uint32_t k = k_tiles + stage * Tr::kKStageBytes, k_full = bar(Tr::kBarKFull, stage);
-        sm90::mbarrier_wait(bar(Tr::kBarKEmpty, stage), free_phase);
-        sm90::mbarrier_arrive_expect_tx(k_full, Tr::kKStageBytes);
-#pragma unroll
-        for (int c = 0; c < Tr::kQkTiles; ++c) {
-          const uint32_t dst = k + c * Tr::kKvTileBytes;
-          if (c < Tr::kNopeTiles)
-            sm90::tma_load_3d(dst, &params.k_nope, k_full, 64 * c, h, row0);
-          else
-            sm90::tma_load_2d(dst, &params.k_pe, k_full, 64 * (c - Tr::kNopeTiles), row0);
-        }
-      }
+      if (lane == 0)
+        for (; k_next <= i + k_ahead && k_next < num_blocks; ++k_next) load_k(k_next);
       // V lands on v_full, or, for a block reaching past the tile's last visible row (its
       // last block: at most once per CTA, so v_staged's phase is 0), on v_staged first.
       const bool whole = ok_rows >= kN;
@@ -234,16 +297,18 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   // ---- consumers ----------------------------------------------------------------------------
   sm90::setmaxnreg_inc<Tr::kConsumerRegs>();
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
-  const int row_base = Tr::kWgRows * wg;      // this group's first row in the tile
-  const int row0 = row_base + 16 * warp + g;  // this thread's rows: row0, row0 + 8
+  const int row_base = split_blocks ? 0 : Tr::kWgRows * wg;  // this group's first row
+  const int row0 = row_base + 16 * warp + g;                 // this thread's rows: row0, row0 + 8
   // Blocks this group's rows see: [block_begin, my_end); the CTA's later blocks it only
-  // releases.
+  // releases. With split blocks the group's own are every other one of those, from its index:
+  // blocks first, first + step, ... (relative to block_begin).
   const int my_rows = max(0, min(tile.q_len - row_base, Tr::kWgRows));
   const int my_end =
       my_rows == 0 ? block_begin
                    : max(block_begin,
                          min(block_end, (tile.first_query_pos + row_base + my_rows + kN - 1) / kN));
-  const int my_blocks = my_end - block_begin;
+  const int first = split_blocks ? wg : 0, step = split_blocks ? 2 : 1;
+  const int my_blocks = max(0, my_end - block_begin - first + step - 1) / step;
   const int num_blocks = block_end - block_begin;
   const int limit[2] = {tile.first_query_pos + row0, tile.first_query_pos + row0 + 8};
   const float scale_log2 = p.sm_scale * kLog2e;
@@ -261,9 +326,10 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   // The two groups take turns issuing their MMAs: group w waits for its turn on
   // named barrier kTurn0 + w and passes it to the other group once its MMAs are issued, so one
   // group's softmax runs while the other's MMAs keep the tensor cores busy. Each group has
-  // num_blocks + 1 turns when the CTA has blocks (its first S, then one per block); WG1 hands
-  // the first turn to WG0 and does not pass its last, so every barrier phase completes.
-  const int num_turns = num_blocks > 0 ? num_blocks + 1 : 0;
+  // blocks + 1 turns when the CTA has blocks (its first S, then one per block of WG0: all of
+  // them, or with split blocks its ceil(num_blocks / 2)); WG1 hands the first turn to WG0 and
+  // does not pass its last, so every barrier phase completes.
+  const int num_turns = num_blocks > 0 ? (split_blocks ? (num_blocks + 1) / 2 : num_blocks) + 1 : 0;
   int turn = 0;
   const auto take_turn = [&] { sm90::named_barrier_sync(Tr::kTurn0 + wg, 256); };
   const auto pass_turn = [&] {
@@ -321,29 +387,30 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
 
   if (my_blocks > 0) {
     sm90::mbarrier_wait(bar_q, 0);
-    sm90::mbarrier_wait(bar(Tr::kBarKFull, 0), 0);
+    sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(first)), phase_of(first));
     take_turn();
-    issue_s(0);
+    issue_s(first);
     pass_turn();
     sm90::wgmma_wait<0>();
     sm90::fence_operands(s);
-    sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, 0));
+    sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(first)));
     float alpha[2];
-    softmax(block_begin, alpha);
+    softmax(block_begin + first, alpha);
   }
-  // Block i of this group: P_i (in s) to bf16, S_(i+1) issued when kNext, P_i·V_i, the softmax
-  // of S_(i+1) while P_i·V_i runs, then the O rescale. Straight-line code per kNext: a branch
-  // between a wgmma's issue and its wait makes ptxas serialize the pipeline.
+  // Block i of this group: P_i (in s) to bf16, S of its next block (i + step) issued when kNext,
+  // P_i·V_i, the softmax of that S while P_i·V_i runs, then the O rescale. Straight-line code per
+  // kNext: a branch between a wgmma's issue and its wait makes ptxas serialize the pipeline.
   const auto block_step = [&](int i, auto has_next) {
     constexpr bool kNext = decltype(has_next)::value;
+    const int next = i + step;
 #pragma unroll
     for (int ks = 0; ks < kN / 16; ++ks)
 #pragma unroll
       for (int e = 0; e < 4; ++e) a[ks][e] = pack_bf16x2(s[8 * ks + 2 * e], s[8 * ks + 2 * e + 1]);
-    if constexpr (kNext) sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(i + 1)), phase_of(i + 1));
+    if constexpr (kNext) sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(next)), phase_of(next));
     sm90::mbarrier_wait(bar(Tr::kBarVFull, stage_of(i)), phase_of(i));
     take_turn();
-    if constexpr (kNext) issue_s(i + 1);
+    if constexpr (kNext) issue_s(next);
     sm90::fence_operands(o);
     if constexpr (!kNext) sm90::wgmma_fence();
     issue_pv<kDimV, kN / 16, Tr::kKvTileBytes>(o, a, v_tiles + stage_of(i) * Tr::kVStageBytes);
@@ -353,8 +420,8 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
     if constexpr (kNext) {
       sm90::wgmma_wait<1>();
       sm90::fence_operands(s);
-      sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(i + 1)));
-      softmax(block_begin + i + 1, alpha);
+      sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(next)));
+      softmax(block_begin + next, alpha);
     }
     sm90::wgmma_wait<0>();
     sm90::fence_operands(o);
@@ -370,23 +437,34 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
       }
     }
   };
-  for (int i = 0; i + 1 < my_blocks; ++i) block_step(i, std::true_type{});
-  if (my_blocks > 0) block_step(my_blocks - 1, std::false_type{});
-  // The CTA's blocks past this group's rows: released once they have landed, each in the turn
-  // its block stands for (turn i + 1 for block i), with no MMA; a group with no rows first
-  // takes the turn of the S it does not compute. Keeping every group's turn t on block t - 1
-  // is what frees the other group: a block's release never waits for a later turn.
-  if (my_blocks == 0 && num_blocks > 0) {
-    take_turn();
-    pass_turn();
-  }
-  for (int i = my_blocks; i < num_blocks; ++i) {
-    sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(i)), phase_of(i));
-    sm90::mbarrier_wait(bar(Tr::kBarVFull, stage_of(i)), phase_of(i));
-    take_turn();
-    pass_turn();
-    sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(i)));
-    sm90::mbarrier_arrive(bar(Tr::kBarVEmpty, stage_of(i)));
+  for (int j = 0; j + 1 < my_blocks; ++j) block_step(first + j * step, std::true_type{});
+  if (my_blocks > 0) block_step(first + (my_blocks - 1) * step, std::false_type{});
+  if (split_blocks) {
+    // WG1 of an odd block count has one block fewer than WG0: its last turn has no MMA.
+    while (turn < num_turns) {
+      take_turn();
+      pass_turn();
+    }
+    merge_split_blocks<Tr::kMerge, kDimV>(o, m, l, reinterpret_cast<float*>(smem + Tr::kK), wg,
+                                          wtid);
+    if (wg == 1) return;
+  } else {
+    // The CTA's blocks past this group's rows: released once they have landed, each in the turn
+    // its block stands for (turn i + 1 for block i), with no MMA; a group with no rows first
+    // takes the turn of the S it does not compute. Keeping every group's turn t on block t - 1
+    // is what frees the other group: a block's release never waits for a later turn.
+    if (my_blocks == 0 && num_blocks > 0) {
+      take_turn();
+      pass_turn();
+    }
+    for (int i = my_blocks; i < num_blocks; ++i) {
+      sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(i)), phase_of(i));
+      sm90::mbarrier_wait(bar(Tr::kBarVFull, stage_of(i)), phase_of(i));
+      take_turn();
+      pass_turn();
+      sm90::mbarrier_arrive(bar(Tr::kBarKEmpty, stage_of(i)));
+      sm90::mbarrier_arrive(bar(Tr::kBarVEmpty, stage_of(i)));
+    }
   }
 
   // ---- epilogue -----------------------------------------------------------------------------
