@@ -89,6 +89,15 @@ int dense_head_group(int option) {
   return int(n);
 }
 
+// A boolean option that the environment variable `env` (0 | 1) overrides.
+bool env_switch(const char* env, bool option) {
+  const char* s = std::getenv(env);
+  if (s == nullptr || *s == 0) return option;
+  const std::string v = s;
+  DSAKIT_CHECK_ARG(v == "0" || v == "1", env, ": expected '0' or '1', got '", v, "'");
+  return v == "1";
+}
+
 }  // namespace
 
 struct CudaBackend::ProjectionOperands {
@@ -709,7 +718,8 @@ void CudaBackend::dense_mha(const DenseMhaArgs& args) {
         return scratch.back().view().data;
       },
       attention_kernel("DSAKIT_DENSE_MHA_KERNEL", options_.dense_mha_kernel),
-      dense_head_group(options_.dense_head_group));
+      dense_head_group(options_.dense_head_group),
+      env_switch("DSAKIT_DENSE_SPLIT_BLOCKS", options_.dense_split_blocks));
 }
 
 void CudaBackend::merge_partials(const TensorView& o_parts, const TensorView& lse_parts,

@@ -64,6 +64,9 @@ struct CudaBackendOptions {
   // value): 0 chooses by the K / V bytes (dense_head_group), n > 0 takes min(n, H);
   // DSAKIT_DENSE_HEAD_GROUP (auto | n) overrides it.
   int dense_head_group = 0;
+  // The wgmma dense kernel's tiles of <= 64 rows split their kv blocks between its two consumer
+  // groups (else the first takes them all); DSAKIT_DENSE_SPLIT_BLOCKS (0 | 1) overrides it.
+  bool dense_split_blocks = true;
   // Threads per row of the top-k kernel: 0 chooses by row width (topk_threads_for), else 256,
   // 512 or 1024 (the benchmark and the tests run each).
   int topk_threads = 0;

@@ -829,11 +829,13 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
       const Tensor kv_d = to_dev(kv_host);
       const KvHalves halves = kv_halves(kv_d, c.d_nope);
       std::vector<uint8_t> first_bits;
-      std::vector<double> o_out, lse_out;
+      std::vector<double> o_out, lse_out, o_unsplit, lse_unsplit;
       // The fourth run orders the wgmma kernel's grid in groups of 3 heads (and 1 on a single
-      // head): the same bits.
-      for (int run = 0; run < 4; ++run) {
+      // head): the same bits. The fifth leaves a short tile's blocks to one consumer group (no
+      // split blocks): another summation order, checked against the reference below.
+      for (int run = 0; run < 5; ++run) {
         const KernelScope group("DSAKIT_DENSE_HEAD_GROUP", run == 3 ? "3" : "auto");
+        const KernelScope split("DSAKIT_DENSE_SPLIT_BLOCKS", run == 4 ? "0" : "1");
         Tensor o = poisoned(DType::kBF16, {t_n, h, c.d_v});
         Tensor lse = poisoned(DType::kF32, {t_n, h});
         a.o = o.view();
@@ -848,6 +850,9 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
           first_bits = std::move(bits);
           o_out = testing::to_double(o_h.view());
           lse_out = testing::to_double(backend_->to_host(lse.view()).view());
+        } else if (run == 4) {
+          o_unsplit = testing::to_double(o_h.view());
+          lse_unsplit = testing::to_double(backend_->to_host(lse.view()).view());
         } else {
           EXPECT_EQ(bits, first_bits)
               << (run == 1   ? "o differs between two identical runs"
@@ -871,6 +876,8 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
                                                   c.d_v, cu_q, cu_kv, a.sm_scale);
       EXPECT_LE(testing::rel_l2(o_out, ref.o), testing::kTolBf16) << "o rel-L2";
       EXPECT_LE(testing::max_abs_diff(lse_out, ref.lse), testing::kTolLse) << "lse";
+      EXPECT_LE(testing::rel_l2(o_unsplit, ref.o), testing::kTolBf16) << "o rel-L2, no split";
+      EXPECT_LE(testing::max_abs_diff(lse_unsplit, ref.lse), testing::kTolLse) << "lse, no split";
     }
 }
 
@@ -998,21 +1005,24 @@ TEST_F(CudaDenseMha, LongScheduleIsRefusedWhileCapturing) {
 
 // A malformed DSAKIT_DENSE_HEAD_GROUP is an argument error naming the variable, before any
 // launch: o keeps its poison.
-TEST_F(CudaDenseMha, MalformedHeadGroupIsRejectedNamingTheVariable) {
+TEST_F(CudaDenseMha, MalformedSettingIsRejectedNamingTheVariable) {
   const SmallCall c = small_call(128, 128);
   const DenseMhaArgs& a = c.args;
   const Tensor& o = c.o;
   const Tensor before = backend_->to_host(o.view());
-  for (const char* bad : {"0", "-3", "two", "4x"}) {
-    SCOPED_TRACE(bad);
-    const KernelScope group("DSAKIT_DENSE_HEAD_GROUP", bad);
+  for (const auto& [env, bad] :
+       {std::pair{"DSAKIT_DENSE_HEAD_GROUP", "0"}, std::pair{"DSAKIT_DENSE_HEAD_GROUP", "-3"},
+        std::pair{"DSAKIT_DENSE_HEAD_GROUP", "two"}, std::pair{"DSAKIT_DENSE_HEAD_GROUP", "4x"},
+        std::pair{"DSAKIT_DENSE_SPLIT_BLOCKS", "yes"},
+        std::pair{"DSAKIT_DENSE_SPLIT_BLOCKS", "2"}}) {
+    SCOPED_TRACE(::testing::Message() << env << "=" << bad);
+    const KernelScope setting(env, bad);
     try {
       backend_->dense_mha(a);
       ADD_FAILURE() << "expected Error(kInvalidArgument)";
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-      EXPECT_NE(std::string(e.what()).find("DSAKIT_DENSE_HEAD_GROUP"), std::string::npos)
-          << e.what();
+      EXPECT_NE(std::string(e.what()).find(env), std::string::npos) << e.what();
     }
     const Tensor after = backend_->to_host(o.view());
     EXPECT_EQ(std::memcmp(after.ptr<uint8_t>(), before.ptr<uint8_t>(), before.nbytes()), 0);

@@ -155,7 +155,7 @@ AttentionKernel dense_mha_kernel_for(const DenseMhaArgs& a) {
 
 void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
                     const std::function<void*(size_t)>& scratch, AttentionKernel kernel,
-                    int head_group) {
+                    int head_group, bool split_short_tiles) {
   constexpr const char* kOp = "cuda dense_mha";
   using namespace cuda::dense_mha;
   require_bf16(a.q_nope, kOp, "q_nope");
@@ -237,6 +237,7 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
                                      : dense_head_group(num_kv, num_heads, d_nope, d_v);
   params.v_slices = v_slices;
   params.d_v_total = d_v;
+  params.split_short_tiles = split_short_tiles ? 1 : 0;
   params.sm_scale = float(a.sm_scale);
   if (schedule.parts > 1) {
     params.o_parts = static_cast<float*>(scratch(size_t(schedule.parts * params.rows * d_v) * 4));

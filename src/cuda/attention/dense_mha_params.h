@@ -70,6 +70,10 @@ struct DenseMhaParams {
   // re-computes S per slice: worth it only on grids that leave SMs idle.
   int v_slices;
   int d_v_total;
+  // The wgmma kernel: a tile of <= 64 rows over >= 2 blocks splits its blocks between the two
+  // consumer groups (1), or leaves them to the first (0); the same output either way, within
+  // the summation order.
+  int split_short_tiles;
   float sm_scale;
   DenseTile inline_tiles[kDenseInlineTiles];  // the schedule when tiles == null
 };

@@ -199,7 +199,8 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   const int block_end = max(block_begin, min(tile.block_end, (kv_len + kN - 1) / kN));
   // Split blocks: both groups on rows [0, 64), block i (from block_begin) consumed by group i % 2
   // alone, so a stage is released by 128 threads rather than 256.
-  const bool split_blocks = tile.q_len <= Tr::kWgRows && block_end - block_begin >= 2;
+  const bool split_blocks =
+      p.split_short_tiles != 0 && tile.q_len <= Tr::kWgRows && block_end - block_begin >= 2;
   const uint32_t releasers = split_blocks ? 128 : 256;
 
   if (threadIdx.x == 0) {
