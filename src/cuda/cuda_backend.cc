@@ -42,6 +42,15 @@ IndexerKernel indexer_kernel(const CudaBackendOptions& options) {
                              : IndexerKernel::kScalar;
 }
 
+// A boolean option that the environment variable `env` (0 | 1) overrides.
+bool env_switch(const char* env, bool option) {
+  const char* s = std::getenv(env);
+  if (s == nullptr || *s == 0) return option;
+  const std::string v = s;
+  DSAKIT_CHECK_ARG(v == "0" || v == "1", env, ": expected '0' or '1', got '", v, "'");
+  return v == "1";
+}
+
 // The wgmma logits kernel's operands for a wgmma choice.
 LogitsOperands logits_operands(IndexerKernel kernel) {
   return kernel == IndexerKernel::kWgmmaExact ? LogitsOperands::kF16 : LogitsOperands::kE4m3;
@@ -87,15 +96,6 @@ int dense_head_group(int option) {
   DSAKIT_CHECK_ARG(*end == 0 && n >= 1 && n <= (1 << 20), kEnv,
                    ": expected 'auto' or a head count >= 1, got '", v, "'");
   return int(n);
-}
-
-// A boolean option that the environment variable `env` (0 | 1) overrides.
-bool env_switch(const char* env, bool option) {
-  const char* s = std::getenv(env);
-  if (s == nullptr || *s == 0) return option;
-  const std::string v = s;
-  DSAKIT_CHECK_ARG(v == "0" || v == "1", env, ": expected '0' or '1', got '", v, "'");
-  return v == "1";
 }
 
 }  // namespace
@@ -482,6 +482,7 @@ void CudaBackend::indexer_logits(const IndexerArgs& a, int64_t row_begin, int64_
   p.width = logits.shape[1];
   p.skip_ctx_at_most = options.skip_ctx_at_most;
   p.fill_masked = options.fill_masked;
+  p.page_tma = env_switch("DSAKIT_LOGITS_PAGE_TMA", options_.logits_page_tma);
   const IndexerKernel kernel = choose_logits_kernel(indexer_kernel(options_), p, device_);
   DSAKIT_CHECK_ARG(options_.indexer_key_splits >= 0,
                    "CudaBackendOptions::indexer_key_splits: expected >= 0, got ",

@@ -51,6 +51,10 @@ struct CudaBackendOptions {
   // The wgmma logits kernel's persistent grid: 0 one CTA per SM; n > 0 runs it (and chooses key
   // splits) as if the device had min(n, SMs) SMs. The logits are the same bits for every value.
   int indexer_logits_ctas = 0;
+  // The wgmma e4m3 logits kernel loads each half tile of keys that is one run of a page by one
+  // TMA box (else 16-byte cp.async per row); the logits are the same bits either way.
+  // DSAKIT_LOGITS_PAGE_TMA (0 | 1) overrides it.
+  bool logits_page_tma = true;
   // The sparse MLA kernel: kAuto chooses per call (sparse_mla_kernel_for); the environment
   // variable DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides it.
   AttentionKernel sparse_mla_kernel = AttentionKernel::kAuto;

@@ -515,7 +515,11 @@ struct BatchIndexer {
   }
 };
 
-BatchIndexer make_batch_indexer(Backend& gpu, Backend& cpu, Rng& rng, int h_i, int page_size) {
+// paged: each request's positions laid out by a page table of its own (shuffled pages), as the
+// layer lays them out (a run of page_size consecutive locations per page); else distinct random
+// locations.
+BatchIndexer make_batch_indexer(Backend& gpu, Backend& cpu, Rng& rng, int h_i, int page_size,
+                                bool paged = false) {
   constexpr int kDim = 128;
   // (prefix, extend): the short requests put three to five requests in one row group of the
   // wgmma kernel (6, 8, 12 or 16 rows), so its segments and the finishers' per-segment state
@@ -535,8 +539,26 @@ BatchIndexer make_batch_indexer(Backend& gpu, Backend& cpu, Rng& rng, int h_i, i
   }
   b.tokens = int64_t(ctx.size());
   b.width = n_kv;  // wider than every context: the -inf fill is exercised
-  const IndexKeyPoolDesc desc{page_size, 1024 / page_size, kDim};
-  const std::vector<int32_t> locs = distinct_locations(rng, n_kv, desc.num_locations());
+  int64_t pages_needed = 0;
+  for (const auto& [prefix, extend] : requests)
+    pages_needed += (prefix + extend + page_size - 1) / page_size;
+  const IndexKeyPoolDesc desc{page_size, paged ? pages_needed + 3 : 1024 / page_size, kDim};
+  std::vector<int32_t> locs;
+  if (paged) {
+    std::vector<int32_t> pages(static_cast<size_t>(desc.num_pages));
+    std::iota(pages.begin(), pages.end(), 0);
+    std::shuffle(pages.begin(), pages.end(), rng.gen());
+    size_t next_page = 0;
+    for (const auto& [prefix, extend] : requests) {
+      std::vector<int32_t> table;
+      for (int p = 0; p < prefix + extend; ++p) {
+        if (p % page_size == 0) table.push_back(pages[next_page++]);
+        locs.push_back(table.back() * page_size + p % page_size);
+      }
+    }
+  } else {
+    locs = distinct_locations(rng, n_kv, desc.num_locations());
+  }
   const Tensor keys = tiled_bf16(rng, n_kv, kDim);
   b.gpu_pool = gpu.make_index_pool(desc);
   b.cpu_pool = cpu.make_index_pool(desc);
@@ -692,6 +714,35 @@ TEST_F(CudaBackendTest, TensorCoreLogitsMatchScalarKernelAndCpu) {
     }
   }
   cuda().options().indexer_kernel = cuda::CudaBackendOptions{}.indexer_kernel;
+}
+
+// Key pools laid out by page tables: the e4m3 wgmma kernel loads each half tile that is a run of
+// a page by one TMA box. The same bits as every row by cp.async (CudaBackendOptions::
+// logits_page_tma off), for pages of 32 (every half tile a run), 48 (runs and half tiles across
+// two pages), 64 and 128, and the logits within the kernel's tolerance of the CPU's.
+TEST_F(CudaBackendTest, WgmmaLogitsPageRunsByTmaKeepTheBits) {
+  SCOPED_TRACE(trace());
+  for (int h_i : {64, 32}) {
+    for (int page_size : {32, 48, 64, 128}) {
+      SCOPED_TRACE("H_i " + std::to_string(h_i) + " page " + std::to_string(page_size));
+      const BatchIndexer b = make_batch_indexer(*gpu_, *cpu_, rng(), h_i, page_size, true);
+      cuda().options().indexer_kernel = cuda::IndexerKernel::kWgmma;
+      auto gpu_logits = [&](bool page_tma, int splits) {
+        cuda().options().logits_page_tma = page_tma;
+        cuda().options().indexer_key_splits = splits;
+        const Tensor out = poisoned(DType::kF32, {b.tokens, b.width});
+        gpu_->indexer_logits(b.args(true), 0, b.tokens, out);
+        return testing::to_double(gpu_->to_host(out));
+      };
+      const std::vector<double> by_tma = gpu_logits(true, 0);
+      EXPECT_EQ(by_tma, gpu_logits(false, 0)) << "page runs by TMA vs rows by cp.async";
+      EXPECT_EQ(by_tma, gpu_logits(true, 3)) << "key splits";
+      Tensor cpu_out = Tensor::host(DType::kF32, {b.tokens, b.width});
+      cpu_->indexer_logits(b.args(false), 0, b.tokens, cpu_out);
+      EXPECT_LE(finite_rel_l2(by_tma, testing::to_double(cpu_out)), kTolWgmmaLogits);
+    }
+  }
+  cuda().options() = cuda::CudaBackendOptions{};
 }
 
 // A few rows over a long context: the wgmma kernel's own choice splits the key range (four row

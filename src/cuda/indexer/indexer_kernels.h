@@ -45,6 +45,9 @@ struct IndexerLogitsParams {
   // Write -inf at positions [ctx_len, width) of computed rows (the indexer_logits contract);
   // top-k never reads them, so indexer_topk leaves them unwritten.
   bool fill_masked;
+  // The wgmma e4m3 kernel: a tile half whose 32 rows are one run of a page (consecutive
+  // locations, as page tables lay them out) comes by one TMA box instead of 256 cp.async.
+  bool page_tma;
   uint64_t* trace;  // [grid][kTraceSlots] event stamps of a trace build (kernel_trace.h); or null
 };
 

@@ -30,8 +30,11 @@
 //     an item of identity rows stages none; kE4m3's codes by TMA, the gates by cp.async), then the
 //     key rows of every 64-key tile of positions [0, context) gathered by location into a kStages
 //     ring that runs on across items, with each row's scale and a valid flag: kE4m3 by cp.async (16
-//     B, completing on the stage's mbarrier); kF16 by 16-byte register loads issued before the wait
-//     for the stage, widened and stored after it (st.shared, then a proxy fence before the arrive).
+//     B, completing on the stage's mbarrier), or — a producer warp's 32 rows being one run of a
+//     page (consecutive locations in one page, as page tables lay positions out) — by one TMA box
+//     of the key pool (LogitsLaunch::keys) counted on the same mbarrier; kF16 by 16-byte register
+//     loads issued before the wait for the stage, widened and stored after it (st.shared, then a
+//     proxy fence before the arrive).
 //   finishers (kFinishers threads, the epilogue): per tile, the 4 lanes' partials of each
 //     (token, key) summed, scaled, masked to the token's segment and stored, 128 bytes per
 //     warp and token; they release the key stage (its scales) and the epilogue stage.
@@ -162,12 +165,14 @@ struct LogitsConfig {
   }
 };
 
-// What the launcher derives from IndexerLogitsParams: kE4m3's tensor map of the query codes,
-// bytes, 128-byte swizzled (kF16 widens the codes in registers and leaves it unset), and the
-// division of a pool location by page_size.
+// What the launcher derives from IndexerLogitsParams: kE4m3's tensor maps of the query codes and
+// of the key pool's codes, bytes, 128-byte swizzled (kF16 widens the codes in registers and
+// leaves them unset), and the division of a pool location by page_size.
 struct LogitsLaunch {
   CUtensorMap q8;        // [row_end * h_i rows][128 B] boxes of [256 rows][128 B]
+  CUtensorMap keys;      // [num_pages][page_size rows][128 B] boxes of [1][32 rows][128 B]
   FastDivmod page_size;  // location / page_size: its page (locations < 2^31)
+  bool keys_by_tma;      // `keys` is set: kE4m3 loads a half tile that is a page run by TMA
 };
 
 // ReLU that keeps NaN (max.NaN): a NaN score stays NaN, as in the other logits kernels.
@@ -440,13 +445,19 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
     constexpr int kPerRow = C::kProducers / C::kKeys, kRowChunks = C::kChunks / kPerRow;
     const int64_t page_bytes = int64_t(p.page_size) * (C::kDim + 4);
     const int row = ptid / kPerRow, chunk0 = kRowChunks * (ptid % kPerRow);
+    // The location of this thread's row of the tile at tile0 as kv_locs holds it (-1 past the
+    // segment); checked against the pool where it is first used, so that the load stays in
+    // flight until then.
     const auto location = [&](int64_t start, int limit, int tile0) {
       const int pos = tile0 + row;
       const int64_t j = start + pos;
       int32_t loc = -1;
       if (pos < limit && j >= 0 && j < p.n_kv) loc = __ldg(p.kv_locs + j);
-      return loc >= 0 && loc < p.num_locations ? loc : -1;
+      return loc;
     };
+    // kE4m3's page runs: a producer warp's rows, lane l on row 32 w + l (kPerRow == 1).
+    constexpr int kRunRows = 32;
+    static_assert(C::kF16 || (kPerRow == 1 && C::kKeys == 2 * kRunRows));
     int n = 0;  // tiles staged so far (all items and segments)
     Item it, it_next;
     bool have = item_of(0, it);
@@ -470,7 +481,7 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
           const int32_t loc = next;
           if (i + 1 < tile_end) next = location(start, int(limit), (i + 1) * C::kKeys);
           const int stage = n % C::kStages;
-          const bool ok = loc >= 0;
+          const bool ok = loc >= 0 && loc < p.num_locations;
           const int32_t page = ok ? int32_t(launch.page_size.div(uint32_t(loc))) : 0;
           const int32_t slot = ok ? loc - page * p.page_size : 0;
           const uint8_t* page_base = p.key_pages + page * page_bytes;
@@ -495,10 +506,30 @@ __global__ void __launch_bounds__(LogitsConfig<kHeads, kOps>::kThreads, 1)
             }
             sm90::fence_proxy_async_shared();
           } else {
+            // This warp's 32 rows by one TMA box when they are one run of a page: every
+            // location valid and lane l's the first one's + l, the run inside the first one's
+            // page. The box lands 128-byte swizzled as the cp.async path stores (the swizzle
+            // follows the shared-memory address; the half tile starts 1024-byte aligned).
+            const int lane_id = ptid % kWarpSize, run_index = ptid / kWarpSize;
+            const int32_t first_loc = __shfl_sync(0xffffffffu, loc, 0);
+            const int32_t first_page = __shfl_sync(0xffffffffu, page, 0);
+            const int32_t first_slot = __shfl_sync(0xffffffffu, slot, 0);
+            const bool run = launch.keys_by_tma &&
+                             __all_sync(0xffffffffu, ok && loc == first_loc + lane_id) &&
+                             first_slot + kRunRows <= p.page_size;
+            const uint32_t run_tile = tile + uint32_t(run_index * kRunRows * C::kDim);
             sm90::mbarrier_wait(bar_empty(stage), ((n / C::kStages) & 1) ^ 1);
+            if (run) {
+              if (lane_id == 0) {
+                sm90::mbarrier_expect_tx(bar_full(stage), kRunRows * C::kDim);
+                sm90::tma_load_3d(run_tile, &launch.keys, bar_full(stage), 0, first_slot,
+                                  first_page);
+              }
+            } else {
 #pragma unroll
-            for (int c = chunk0; c < chunk0 + kRowChunks; ++c)
-              sm90::cp_async_16_prefetch(tile + sm90::swizzled_chunk(row, c), codes + 16 * c, ok);
+              for (int c = chunk0; c < chunk0 + kRowChunks; ++c)
+                sm90::cp_async_16_prefetch(tile + sm90::swizzled_chunk(row, c), codes + 16 * c, ok);
+            }
             if (chunk0 == 0) {
               sm90::cp_async_small<4>(base + C::kScale + 4 * (stage * C::kKeys + row), scale, ok);
               valid_s[stage * C::kKeys + row] = ok;
@@ -732,6 +763,16 @@ cudaError_t run_indexer_logits_sm90(const IndexerLogitsParams& p, int key_splits
     const cudaError_t status =
         make_tensor_map_u8_sw128(&launch.q8, p.q8, 2, q_dims, q_strides, q_box);
     if (status != cudaSuccess) return status;
+    // The key pool's codes, page by page: row s of page g at key_pages + g·page_bytes + 128 s.
+    // Without a map (pages shorter than a run, or TMA cannot address the pool) every row
+    // comes by cp.async.
+    const int64_t pages = p.num_locations / p.page_size;
+    const uint64_t k_dims[3] = {128, uint64_t(p.page_size), uint64_t(pages)};
+    const uint64_t k_strides[2] = {128, uint64_t(p.page_size) * (C::kDim + 4)};
+    const uint32_t k_box[3] = {128, 32, 1};
+    launch.keys_by_tma = p.page_tma && p.page_size >= 32 && pages <= INT32_MAX &&
+                         make_tensor_map_u8_sw128(&launch.keys, p.key_pages, 3, k_dims, k_strides,
+                                                  k_box) == cudaSuccess;
   }
   auto* kernel = &indexer_logits_sm90_kernel<kHeads, kOps>;
   static std::atomic<uint64_t> smem_set{0};
