@@ -25,10 +25,12 @@
   X(kFp8Scaled)                             \
   X(kFp8Raw)
 
-// Sparse MLA, wgmma kernel for H <= 16 with keys on M (few_heads_kernel.cuh): X(layout). bf16
-// only: with FP8 pools its producer (shared with the 64-head kernel) spills and it measured
-// slower than the 64-head kernel (docs/perf.md, run K1); the code takes every layout.
-#define DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(X) X(kBf16)
+// Sparse MLA, wgmma kernel for H <= 16 with keys on M (few_heads_kernel.cuh): X(layout). On
+// FP8 pools with two producer warpgroups (one measured slower than the 64-head kernel, run K1).
+#define DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(X) \
+  X(kBf16)                                            \
+  X(kFp8Scaled)                                       \
+  X(kFp8Raw)
 
 // Dense MHA, mma.sync kernel (src/cuda/sm80/prefill/dense_mha/): X(d_nope, d_rope, d_v).
 // (192, 64, 128) also runs GLM-5's (192, 64, 256) on short grids as two V column slices.

@@ -1,6 +1,6 @@
 // Sparse MLA on Hopper for few heads (H <= 16: DeepSeek-V3.2's TP8 shard), keys on the wgmma M
 // dimension. Same contract and numerics as sparse_mla_kernel.cuh (the 64-head kernel), whose
-// shared-memory layout, CTA order and producer warpgroup it takes unchanged.
+// shared-memory layout, CTA order and producer (produce_blocks) it takes unchanged.
 //
 // With heads on M, 16 heads fill a quarter of each 64-row tile and cost what 64 do. Here the
 // products are taken transposed, 64 keys (a block) on M and the CTA's 16 heads on N:
@@ -10,8 +10,10 @@
 // so the tensor work is what the 16 heads need; the shared-memory reads per block drop less
 // (K is read by both products, as before; Q and P shrink to 16 rows).
 //
-// One CTA of three warpgroups per token; WG2 is the 64-head kernel's producer (produce_blocks:
-// block 2i into buffer K0, 2i + 1 into K1, halves L = tiles 0-3 and R = tiles 4-8). Consumer
+// One CTA per token: consumer warpgroups 0 and 1, then the 64-head kernel's producer
+// (produce_blocks: block 2i into buffer K0, 2i + 1 into K1, halves L = tiles 0-3 and R = tiles
+// 4-8) — one warpgroup on bf16 pools; two on FP8 pools (kFewHeadsProducers), each widening half
+// of every block's rows, since at 16 heads the widening is what the consumers wait for. Consumer
 // group b takes the blocks of buffer b with its own online softmax and all 512 output dims; the
 // two partial results meet in the epilogue. Per block, group b (WG0 works L first, WG1 R first:
 // the order the producer fills them):
@@ -27,10 +29,8 @@
 //   o[mt][4j + 2r + c]  = Oᵀ[dim 64 mt + 16w + g + 8r][head 8j + 2q + c]     mt < 8
 // so a thread holds 4 heads, hi = 2j + c: their offsets m, sums l and maxima m_true.
 //
-// The table of instances (instances.h) compiles it for bf16 pools, where the wgmma path runs it
+// The table of instances (instances.h) compiles it for every pool layout; the wgmma path runs it
 // for H <= 16 (cuda_sparse_mla; DSAKIT_SPARSE_MLA_SM90_HEADS=64 forces the 64-head kernel).
-// It reads every layout, but with FP8 pools the producer's widening bounds both kernels and this
-// one measured slower (docs/perf.md, run K1).
 //
 // Shared memory: Sm90Config's layout; P1's tile holds the groups' Pᵀ tiles (2 KB each); past it
 // the groups' per-warp head maxima / sums and the epilogue's per-group (m, l, max). The epilogue
@@ -84,8 +84,13 @@ __device__ __forceinline__ void issue_vp_tiles(float (&o)[8][8], uint32_t k, uin
   }
 }
 
+// Producer warpgroups per CTA: FP8 pools widen every row they gather, and at 16 heads one
+// warpgroup's widening is what the consumers wait for; two widen half of every block each.
 template <KvLayout kLayout>
-__global__ void __launch_bounds__(Sm90Config::kThreads, 1)
+inline constexpr int kFewHeadsProducers = kLayout == KvLayout::kBf16 ? 1 : 2;
+
+template <KvLayout kLayout>
+__global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThreads, 1)
     sparse_mla_sm90_few_heads_kernel(const __grid_constant__ SparseMlaParams p) {
   using C = Sm90Config;
   using F = FewHeadsConfig;
@@ -95,7 +100,7 @@ __global__ void __launch_bounds__(Sm90Config::kThreads, 1)
   const CtaWork work = cta_work(p, F::kHeads);
 
   int wg, wtid;
-  if (!start_cta<kLayout>(p, smem, sm, work, wg, wtid)) return;
+  if (!start_cta<kLayout, false, kFewHeadsProducers<kLayout>>(p, smem, sm, work, wg, wtid)) return;
 
   // ---- consumers: group wg takes buffer wg ----------------------------------------------------
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
@@ -325,8 +330,9 @@ cudaError_t run_sparse_mla_sm90_few_heads(const SparseMlaParams& params, cudaStr
   using F = FewHeadsConfig;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_heads > F::kHeads) return cudaErrorInvalidValue;
-  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>>(params, params.num_tokens,
-                                                                        F::kSmemBytes, stream);
+  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>>(
+      params, params.num_tokens, Sm90Warps<kFewHeadsProducers<kLayout>>::kThreads, F::kSmemBytes,
+      stream);
 }
 
 }  // namespace dsakit::cuda::sparse_mla
