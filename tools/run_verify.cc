@@ -7,6 +7,7 @@
 #include <random>
 #include <set>
 
+#include "src/layer/paths.h"
 #include "src/reference/layer_reference.h"
 
 namespace dsakit::cli {
@@ -78,6 +79,8 @@ VerifyResult verify_run(const RunOptions& opt, const RunState& run) {
   snap.index_storage = ix_host;
   snap.page_tables = run.tables;
   snap.bf16_intermediates = run.be->capabilities().intermediate_dtype == DType::kBF16;
+  snap.latent_as_decoded =
+      detail::fp8_up_proj_weights(*run.be, run.kv_pool, run.layer->options()) != nullptr;
   const Sample sample = sample_tokens(opt, run);
   const auto& qs = sample.queries;
   if (!opt.quiet && !opt.json)

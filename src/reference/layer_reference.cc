@@ -57,9 +57,12 @@ DenseKv up_project(const LayerSnapshot& s, const RequestKv& kv, const Vec& w, in
   const int dkv = dc + c.qk_rope_head_dim;
   DenseKv out{std::vector<float>(size_t(positions) * h * dn),
               std::vector<float>(size_t(positions) * h * dv)};
-  Vec lat(size_t(positions) * dc);  // the gather hands the projection bf16 latent rows
+  Vec lat(size_t(positions) * dc);  // a gather hands the projection bf16 latent rows
   for (int32_t p = 0; p < positions; ++p)
-    for (int d = 0; d < dc; ++d) lat[size_t(p) * dc + d] = bf16_round(kv.kv[size_t(p) * dkv + d]);
+    for (int d = 0; d < dc; ++d) {
+      const double x = kv.kv[size_t(p) * dkv + d];
+      lat[size_t(p) * dc + d] = s.latent_as_decoded ? x : bf16_round(x);
+    }
 #pragma omp parallel for schedule(dynamic, 4)
   for (int32_t p = 0; p < positions; ++p)
     for (int hh = 0; hh < h; ++hh)

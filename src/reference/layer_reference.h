@@ -31,6 +31,10 @@ struct LayerSnapshot {
   // bf16 up-projected k_nope / v on the dense path), so the comparison measures the kernels, not
   // the precision the intermediates were designed with.
   bool bf16_intermediates = false;
+  // With bf16_intermediates: the dense path's K/V up-projection reads the latent as the pool
+  // decodes it (the FP8 up-projection's block-scaled GEMM takes e4m3 codes and tile scales), not
+  // rounded to bf16 by a gather.
+  bool latent_as_decoded = false;
 };
 
 struct TokenQuery {

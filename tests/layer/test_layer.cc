@@ -13,6 +13,7 @@
 #include "dsakit/dcp.h"
 #include "dsakit/driver.h"
 #include "dsakit/error.h"
+#include "src/layer/paths.h"
 #include "src/reference/layer_reference.h"
 #include "tests/common/test_util.h"
 #include "tools/harness.h"
@@ -160,7 +161,9 @@ void expect_matches_reference(Harness& h, const RunOutputs& out, const std::vect
                                 h.ix.desc(),
                                 ix_host,
                                 h.tables,
-                                bf16_mid(h)};
+                                bf16_mid(h),
+                                detail::fp8_up_proj_weights(*h.be, h.kv, h.layer->options()) !=
+                                    nullptr};
   std::vector<reference::TokenQuery> qs;
   std::vector<int64_t> rows;
   for (const auto& st : out.steps)
@@ -466,7 +469,8 @@ TEST_P(LayerTest, DenseWithFp8WeightsMatchesReference) {
       const std::vector<RunSchedule> chunks = {{h.zeros(), first, 0, ForwardMode::kExtend},
                                                {first, len, 0, ForwardMode::kExtend}};
       const RunOutputs a = h.run(chunks), b = sparse.run(chunks);
-      const bool fp8_path = layout != KvLayout::kBf16 && h.be->capabilities().fp8_up_proj;
+      const bool fp8_path =
+          detail::fp8_up_proj_weights(*h.be, h.kv, h.layer->options()) != nullptr;
       ASSERT_EQ(a.steps.size(), 2u);
       for (size_t i = 0; i < a.steps.size(); ++i) {
         EXPECT_EQ(a.steps[i].plan.path, AttentionPath::kDenseMha);
