@@ -61,7 +61,7 @@ DenseKv up_project(const LayerSnapshot& s, const RequestKv& kv, const Vec& w, in
   for (int32_t p = 0; p < positions; ++p)
     for (int d = 0; d < dc; ++d) {
       const double x = kv.kv[size_t(p) * dkv + d];
-      lat[size_t(p) * dc + d] = s.latent_as_decoded ? x : bf16_round(x);
+      lat[size_t(p) * dc + d] = s.fp8_up_projection ? x : bf16_round(x);
     }
 #pragma omp parallel for schedule(dynamic, 4)
   for (int32_t p = 0; p < positions; ++p)
@@ -204,6 +204,11 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
     out.selected[size_t(qi)] = std::move(sel);
   }
   return out;
+}
+
+double lse_bound(const LayerSnapshot& s) {
+  if (!s.bf16_intermediates) return 1e-3;
+  return s.fp8_up_projection ? 3e-2 : 5e-3;
 }
 
 }  // namespace dsakit::reference

@@ -237,6 +237,21 @@ INSTANTIATE_TEST_SUITE_P(Models, ProjectionTest, ::testing::ValuesIn(kAllDims),
 // below, at and past multiples of 16 (CUDA runs the last n % 16 rows as a GEMM of their own),
 // repeated locations; then the refusals (a bf16 pool, a wrong scale shape) before anything is
 // written.
+// How a bf16 result lies against its float64 value's own bf16 rounding: the share of elements
+// that rounded to another value, and the largest distance in units in the last place.
+struct RoundingOffset {
+  int64_t elements = 0, off = 0;
+  double max_ulps = 0;
+  void add(const Vec& got, const Vec& ref) {
+    for (size_t i = 0; i < got.size(); ++i, ++elements) {
+      if (got[i] == reference::bf16_round(ref[i])) continue;
+      ++off;
+      const double ulp = ref[i] != 0 ? std::ldexp(1.0, std::ilogb(ref[i]) - 7) : 1.0;
+      max_ulps = std::max(max_ulps, std::fabs(got[i] - ref[i]) / ulp);
+    }
+  }
+};
+
 TEST(Fp8UpProjection, MatchesReference) {
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -253,6 +268,7 @@ TEST(Fp8UpProjection, MatchesReference) {
                                  ModelConfig::preset("glm-5").with_tp(4)}) {
       const int h = c.num_heads, dn = c.qk_nope_head_dim, dv = c.v_head_dim;
       SCOPED_TRACE(c.name);
+      RoundingOffset offset;  // bf16 outputs: k_nope and v against the float64 product
       const Fp8KvBProj w = random_fp8_kv_b_proj(c, rng.gen()());
       const Tensor w_codes = b->to_device(w.codes), w_scales = b->to_device(w.scales);
       const Fp8BlockWeights w_dev{w_codes, w_scales};
@@ -309,7 +325,16 @@ TEST(Fp8UpProjection, MatchesReference) {
           expect_rel_l2(k_nope_out, ref_k_nope, tolerance(mid), "k_nope " + tag);
           expect_rel_l2(v_out, ref_v, tolerance(mid), "v " + tag);
           expect_rel_l2(read(*b, k_pe), kpe_ref, tolerance(mid), "k_pe " + tag);
+          if (mid == DType::kBF16) offset.add(k_nope_out, ref_k_nope), offset.add(v_out, ref_v);
         }
+        // The figure behind the layer's lse bound after the FP8 up-projection (docs/numerics.md).
+        if (offset.elements > 0 && l.layout == KvLayout::kFp8Raw)
+          std::printf(
+              "[ measure ] %s %s FP8 up-projection: %.2f%% of %lld k_nope/v elements off "
+              "the float64 product's bf16 rounding, at most %.2f ulp\n",
+              b->capabilities().device_name.c_str(), c.name.c_str(),
+              100.0 * double(offset.off) / double(offset.elements),
+              static_cast<long long>(offset.elements), offset.max_ulps);
         if (l.layout != KvLayout::kFp8Raw || c.num_heads != 16 || dn != 128) continue;
         // Refusals: a wrong scale shape, a bf16 pool (the outputs stay poisoned).
         const Tensor d_locs = b->to_device(host_i32({0, 1, 2}));

@@ -136,34 +136,28 @@ double tol_f32(const Harness& h) {
 double tol_lse_across_paths(const Harness& h) {
   return bf16_mid(h) ? 3e-2 : testing::kTolLse;
 }
-// lse bound against the float64 reference that mirrors the backend's rounding points: with bf16
-// intermediates a product within fp32-accumulation error of a bf16 rounding boundary can round
-// either way, moving one score by ~sm_scale·|q_d|·ulp(k_d) (~1e-3 for DeepSeek-V3.2).
-double tol_lse_vs_reference(const Harness& h) {
-  return bf16_mid(h) ? 5e-3 : testing::kTolLse;
-}
 
 // Every computed token of `out` (two requests of lengths `len`) against the float64 layer
 // reference over h's pools and weights; dense-path rows attend to all positions.
 void expect_matches_reference(Harness& h, const RunOutputs& out, const std::vector<int32_t>& len) {
   const ModelConfig& c = h.cfg;
   const Tensor kv_host = h.be->to_host(h.kv.storage()), ix_host = h.be->to_host(h.ix.storage());
-  reference::LayerSnapshot snap{&c,
-                                h.layer->sm_scale(),
-                                len,
-                                h.tokens.q_nope,
-                                h.tokens.q_pe,
-                                h.tokens.idx_q,
-                                h.tokens.idx_w,
-                                h.w_host,
-                                h.kd,
-                                kv_host,
-                                h.ix.desc(),
-                                ix_host,
-                                h.tables,
-                                bf16_mid(h),
-                                detail::fp8_up_proj_weights(*h.be, h.kv, h.layer->options()) !=
-                                    nullptr};
+  reference::LayerSnapshot snap{
+      &c,
+      h.layer->sm_scale(),
+      len,
+      h.tokens.q_nope,
+      h.tokens.q_pe,
+      h.tokens.idx_q,
+      h.tokens.idx_w,
+      h.w_host,
+      h.kd,
+      kv_host,
+      h.ix.desc(),
+      ix_host,
+      h.tables,
+      bf16_mid(h),
+      detail::fp8_up_proj_weights(*h.be, h.kv, h.layer->options()) != nullptr};
   std::vector<reference::TokenQuery> qs;
   std::vector<int64_t> rows;
   for (const auto& st : out.steps)
@@ -181,7 +175,7 @@ void expect_matches_reference(Harness& h, const RunOutputs& out, const std::vect
       got_lse.push_back(out.lse.ptr<float>()[row * c.num_heads + j]);
   }
   EXPECT_LE(testing::rel_l2(got, ref.o), tol_f32(h));
-  EXPECT_LE(testing::max_abs_diff(got_lse, ref.lse), tol_lse_vs_reference(h));
+  EXPECT_LE(testing::max_abs_diff(got_lse, ref.lse), reference::lse_bound(snap));
 }
 
 class LayerTest : public ::testing::TestWithParam<std::string> {};
@@ -469,8 +463,7 @@ TEST_P(LayerTest, DenseWithFp8WeightsMatchesReference) {
       const std::vector<RunSchedule> chunks = {{h.zeros(), first, 0, ForwardMode::kExtend},
                                                {first, len, 0, ForwardMode::kExtend}};
       const RunOutputs a = h.run(chunks), b = sparse.run(chunks);
-      const bool fp8_path =
-          detail::fp8_up_proj_weights(*h.be, h.kv, h.layer->options()) != nullptr;
+      const bool fp8_path = detail::fp8_up_proj_weights(*h.be, h.kv, h.layer->options()) != nullptr;
       ASSERT_EQ(a.steps.size(), 2u);
       for (size_t i = 0; i < a.steps.size(); ++i) {
         EXPECT_EQ(a.steps[i].plan.path, AttentionPath::kDenseMha);
