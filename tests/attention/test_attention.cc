@@ -232,11 +232,6 @@ INSTANTIATE_TEST_SUITE_P(Models, ProjectionTest, ::testing::ValuesIn(kAllDims),
 
 // ---- the FP8 K/V up-projection -----------------------------------------------------------------
 
-// up_proj_kv_fp8 on every backend that has it, against the float64 reference of the same pool
-// values and weights: both FP8 layouts (fp8 with amax and pow2 tile scales, fp8-raw), row counts
-// below, at and past multiples of 16 (CUDA runs the last n % 16 rows as a GEMM of their own),
-// repeated locations; then the refusals (a bf16 pool, a wrong scale shape) before anything is
-// written.
 // How a bf16 result lies against its float64 value's own bf16 rounding: the share of elements
 // that rounded to another value, and the largest distance in units in the last place.
 struct RoundingOffset {
@@ -252,6 +247,11 @@ struct RoundingOffset {
   }
 };
 
+// up_proj_kv_fp8 on every backend that has it, against the float64 reference of the same pool
+// values and weights: both FP8 layouts (fp8 with amax and pow2 tile scales, fp8-raw), row counts
+// below, at and past multiples of 16 (CUDA runs the last n % 16 rows as a GEMM of their own),
+// repeated locations; then the refusals (a bf16 pool, a wrong scale shape) before anything is
+// written.
 TEST(Fp8UpProjection, MatchesReference) {
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
