@@ -10,7 +10,9 @@
 #   bin:PATH   an already built dsakit_bench_cuda (nothing is built)
 # Each built variant is a copy of the tree under build-cmp/NAME (sm_90a, Release, tests off; only
 # dsakit_bench_cuda is built, the variants' builds in parallel). Then the benches run interleaved:
-# round r = 1..N (default 2) runs every variant once, in the order given, one process at a time,
+# round r = 1..N (default 2) runs every variant once, one process at a time, odd rounds in the
+# order given and even rounds in reverse (the same code run second read 0.8-1.5% slower in one
+# A/B, perf.md run Q2: no variant should always follow another),
 # as `dsakit_bench_cuda BENCH_ARGS --json OUT/NAME-rR.json` (stdout and stderr beside it). Two
 # builds of the same code can time a shape several percent apart when run one after the other
 # (the GPU's state moves), so a change is read from the interleaved rounds. Last, a table per
@@ -97,7 +99,12 @@ fi
 
 # ---- interleaved rounds -----------------------------------------------------------------------
 for r in $(seq 1 "$rounds"); do
-  for n in "${names[@]}"; do
+  order=("${names[@]}")
+  if ((r % 2 == 0)); then
+    order=()
+    for ((i = ${#names[@]} - 1; i >= 0; i--)); do order+=("${names[$i]}"); done
+  fi
+  for n in "${order[@]}"; do
     "${bench[$n]}" "${bench_args[@]}" --json "$out/$n-r$r.json" >"$out/$n-r$r.txt" 2>"$out/$n-r$r.err"
     rc=$?
     note "round $r $n rc=$rc"
