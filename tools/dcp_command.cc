@@ -12,6 +12,7 @@
 #include "dsakit/dcp.h"
 #include "dsakit/driver.h"
 #include "dsakit/error.h"
+#include "src/reference/layer_reference.h"
 #include "tools/cli_common.h"
 #include "tools/harness.h"
 #include "tools/measure.h"
@@ -77,10 +78,6 @@ Agreement compare_outputs(const RunOutputs& a, const RunOutputs& b, int64_t k) {
   r.topk_same = r.topk_rows ? double(same) / double(r.topk_rows) : 1.0;
   return r;
 }
-
-// lse bound between the dense and sparse paths with bf16 intermediates (docs/numerics.md): the
-// ranks run a dense step sparse where the dense kernel has no per-query visible counts.
-constexpr double kLseTolAcrossPaths = 3e-2;
 
 // Stage times summed over the steps after the cached prefix, in first-seen order.
 std::vector<std::pair<std::string, double>> stage_sums(const RunOutputs& out, size_t first) {
@@ -170,7 +167,7 @@ int run_dcp_command(const RunOptions& opt) {
     bool same_paths = single.out.steps.size() == out_steps.size();
     for (size_t i = 0; same_paths && i < out_steps.size(); ++i)
       same_paths = single.out.steps[i].plan.path == out_steps[i].plan.path;
-    const double lse_tol = same_paths ? vr_dcp.lse_tol : kLseTolAcrossPaths;
+    const double lse_tol = same_paths ? vr_dcp.lse_tol : reference::kLseBoundAcrossPaths;
     const bool close = agree.o_rel <= vr_dcp.tol && agree.lse_abs <= lse_tol;
     const bool pass = vr_single.pass && vr_dcp.pass && same_topk && close;
     if (!opt.quiet) {

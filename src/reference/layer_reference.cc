@@ -208,7 +208,7 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
 
 double lse_bound(const LayerSnapshot& s) {
   if (!s.bf16_intermediates) return 1e-3;
-  return s.fp8_up_projection ? 3e-2 : 5e-3;
+  return s.fp8_up_projection ? kLseBoundAcrossPaths : 5e-3;
 }
 
 }  // namespace dsakit::reference
