@@ -330,9 +330,9 @@ cudaError_t run_sparse_mla_sm90_few_heads(const SparseMlaParams& params, cudaStr
   using F = FewHeadsConfig;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_heads > F::kHeads) return cudaErrorInvalidValue;
-  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>>(
-      params, params.num_tokens, Sm90Warps<kFewHeadsProducers<kLayout>>::kThreads, F::kSmemBytes,
-      stream);
+  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>,
+                            kFewHeadsProducers<kLayout>>(params, params.num_tokens, F::kSmemBytes,
+                                                         stream);
 }
 
 }  // namespace dsakit::cuda::sparse_mla

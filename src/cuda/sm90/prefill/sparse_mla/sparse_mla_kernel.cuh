@@ -993,12 +993,12 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
   if constexpr (kPair) sm90::cluster_sync();  // the peer may still arrive on this CTA's barriers
 }
 
-// Launches kKernel (either sm90 sparse kernel) on num_ctas CTAs of `threads` threads with
-// smem_bytes of dynamic shared memory, opted in once per device, in clusters of cluster_ctas
-// consecutive CTAs (num_ctas a multiple of it).
-template <auto kKernel>
-cudaError_t launch_sm90_sparse(const SparseMlaParams& params, int64_t num_ctas, int threads,
-                               int smem_bytes, cudaStream_t stream, unsigned cluster_ctas = 1) {
+// Launches kKernel (either sm90 sparse kernel, compiled for Sm90Warps<kProducers>) on num_ctas
+// CTAs of that many threads with smem_bytes of dynamic shared memory, opted in once per device,
+// in clusters of cluster_ctas consecutive CTAs (num_ctas a multiple of it).
+template <auto kKernel, int kProducers = 1>
+cudaError_t launch_sm90_sparse(const SparseMlaParams& params, int64_t num_ctas, int smem_bytes,
+                               cudaStream_t stream, unsigned cluster_ctas = 1) {
   static std::atomic<uint64_t> smem_set{0};
   const cudaError_t err =
       opt_in_dynamic_smem(reinterpret_cast<const void*>(kKernel), smem_bytes, smem_set);
@@ -1006,7 +1006,7 @@ cudaError_t launch_sm90_sparse(const SparseMlaParams& params, int64_t num_ctas, 
   if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(num_ctas));
-  config.blockDim = dim3(unsigned(threads));
+  config.blockDim = dim3(unsigned(Sm90Warps<kProducers>::kThreads));
   config.dynamicSmemBytes = size_t(smem_bytes);
   config.stream = stream;
   cudaLaunchAttribute cluster{};
@@ -1031,10 +1031,10 @@ cudaError_t run_sparse_mla_sm90(const SparseMlaParams& params, cudaStream_t stre
   const int64_t num_ctas = params.num_tokens * num_groups;
   if constexpr (kLayout == KvLayout::kFp8Scaled)
     if (num_groups == 2)
-      return launch_sm90_sparse<&sparse_mla_sm90_kernel<kLayout, true>>(
-          params, num_ctas, Sm90Warps<1>::kThreads, C::kSmemBytes, stream, 2);
-  return launch_sm90_sparse<&sparse_mla_sm90_kernel<kLayout, false>>(
-      params, num_ctas, Sm90Warps<1>::kThreads, C::kSmemBytes, stream);
+      return launch_sm90_sparse<&sparse_mla_sm90_kernel<kLayout, true>>(params, num_ctas,
+                                                                        C::kSmemBytes, stream, 2);
+  return launch_sm90_sparse<&sparse_mla_sm90_kernel<kLayout, false>>(params, num_ctas,
+                                                                     C::kSmemBytes, stream);
 }
 
 }  // namespace dsakit::cuda::sparse_mla
