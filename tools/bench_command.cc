@@ -89,10 +89,6 @@ std::string default_models(const Backend& be) {
                                      : "deepseek-v3.2:1,deepseek-v3.2:8,glm-5:1,glm-5:4";
 }
 
-std::string group_name(const ModelConfig& c, KvLayout layout) {
-  return fmt::format("{} H={} {}", c.name, c.num_heads, to_string(layout));
-}
-
 // Progress on stderr: one rewritten line on a terminal, one line per shape otherwise.
 struct ProgressLine {
   bool enabled = true;
@@ -179,10 +175,11 @@ int bench_command(const BenchOptions& o) {
   StopSignals signals;
   const auto& caps = be->capabilities();
   if (!o.quiet)
-    fmt::print(stderr, "dsakit bench: {} | {} shapes x {} configs x {} layouts | modes {}{}\n",
+    fmt::print(stderr, "dsakit bench: {} | {} shapes x {} configs x {} layouts | modes {}{}{}\n",
                caps.device_name, shapes.size(), models.size(), layouts.size(), o.modes,
                base.profile != nullptr ? " | profile " + base.profile_path
-                                       : " | no profile: cost mode falls back to rule mode");
+                                       : " | no profile: cost mode falls back to rule mode",
+               o.fp8_weights ? " | FP8 kv_b_proj on fp8 pools (w8)" : "");
   const Backend::Ceilings ceil = be->measure_ceilings();
   json doc = bench_document(*be, ceil, base, o);
   print_bench_header(caps.device_name, ceil);
@@ -193,8 +190,8 @@ int bench_command(const BenchOptions& o) {
   size_t done = 0;
   for (const ModelConfig& cfg : models) {
     for (KvLayout layout : layouts) {
-      LayerBench lb(*be, cfg, layout, o.seed);
-      const std::string group = group_name(cfg, layout);
+      LayerBench lb(*be, cfg, layout, o.seed, o.fp8_weights);
+      const std::string group = group_name(cfg, layout, lb.fp8_weights());
       for (const BenchShape& shape : shapes) {
         if (g_stop.load()) break;
         progress(done, total, group + " | " + shape.kind + " " + shape.label());
@@ -202,11 +199,11 @@ int bench_command(const BenchOptions& o) {
                                          std::min(o.min_runs, o.runs), o.budget_ms, o.stages);
         if (g_stop.load()) break;
         ++done;
-        doc["rows"].push_back(
-            bench_row(cfg, layout, shape, lb.batch(), t.modes, t.timings, ceil.gemm_tflops));
+        doc["rows"].push_back(bench_row(cfg, layout, lb.fp8_weights(), shape, lb.batch(), t.modes,
+                                        t.timings, ceil.gemm_tflops));
         write_bench_json(json_path, doc);
         progress.clear();
-        print_bench_row(group, doc["rows"].back());
+        print_bench_row(doc["rows"].back());
       }
       if (g_stop.load()) break;
     }

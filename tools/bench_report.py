@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown tables for docs/benchmarks.md from the JSON of `dsakit bench --json`.
 
-For each (config, heads, layout) group: fresh prompts (dense, sparse, rule, cost ms and the
+For each (config, heads, layout, weights) group: fresh prompts (dense, sparse, rule, cost ms and the
 speed-ups over always-sparse), the shapes where the rule mode is measurably slower than the best
 path, and the cost mode against the per-shape oracle (best of dense and sparse measured); then a
 one-line summary per group. Standard library only.
@@ -18,7 +18,8 @@ import sys
 
 
 def group_key(row):
-    return f"{row['config']} H={row['heads']} {row['layout']}"
+    w8 = " w8" if row.get("weights") == "fp8" else ""
+    return f"{row['config']} H={row['heads']} {row['layout']}{w8}"
 
 
 def ms(row, mode):

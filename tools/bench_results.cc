@@ -41,15 +41,28 @@ json bench_document(const Backend& be, const Backend::Ceilings& ceil, const Disp
   return doc;
 }
 
-json bench_row(const ModelConfig& cfg, KvLayout layout, const BenchShape& shape, const Batch& batch,
-               const std::vector<DispatchMode>& used, const std::vector<PolicyTiming>& timings,
-               double gemm_tflops) {
+std::string group_name(const ModelConfig& c, KvLayout layout, bool fp8_weights) {
+  return fmt::format("{} H={} {}{}", c.name, c.num_heads, to_string(layout),
+                     fp8_weights ? " w8" : "");
+}
+
+json bench_row(const ModelConfig& cfg, KvLayout layout, bool fp8_weights, const BenchShape& shape,
+               const Batch& batch, const std::vector<DispatchMode>& used,
+               const std::vector<PolicyTiming>& timings, double gemm_tflops) {
   const CostFeatures f = CostFeatures::of(batch, cfg);
-  json row = {
-      {"config", cfg.name},           {"heads", cfg.num_heads},    {"layout", to_string(layout)},
-      {"index_topk", cfg.index_topk}, {"kind", shape.kind},        {"label", shape.label()},
-      {"prefix", shape.prefix},       {"extend", shape.extend},    {"tokens", shape.tokens()},
-      {"kv", int64_t(f.positions)},   {"max_len", shape.max_len()}};
+  json row = {{"group", group_name(cfg, layout, fp8_weights)},
+              {"weights", fp8_weights ? "fp8" : "bf16"},
+              {"config", cfg.name},
+              {"heads", cfg.num_heads},
+              {"layout", to_string(layout)},
+              {"index_topk", cfg.index_topk},
+              {"kind", shape.kind},
+              {"label", shape.label()},
+              {"prefix", shape.prefix},
+              {"extend", shape.extend},
+              {"tokens", shape.tokens()},
+              {"kv", int64_t(f.positions)},
+              {"max_len", shape.max_len()}};
   json jm = json::object();
   for (size_t i = 0; i < used.size(); ++i) {
     const PolicyTiming& t = timings[i];
@@ -102,7 +115,7 @@ void print_bench_header(const std::string& device_name, const Backend::Ceilings&
              "TFLOP/s", "%gemm");
 }
 
-void print_bench_row(const std::string& group, const json& row) {
+void print_bench_row(const json& row) {
   const json& jm = row["modes"];
   auto cell = [&](const char* m, bool letter) {
     if (!jm.contains(m)) return std::string("-");
@@ -115,10 +128,11 @@ void print_bench_row(const std::string& group, const json& row) {
     return row.contains(k) ? fmt::format("{:.2f}", row[k].get<double>()) : std::string("-");
   };
   const char* best = jm.contains("cost") ? "cost" : jm.contains("rule") ? "rule" : nullptr;
-  fmt::print("{:<26} {:<18} {:>9} {:>9} {:>11} {:>11} {:>6} {:>6} {:>6} {:>8} {:>5}\n", group,
-             row["label"].get<std::string>(), cell("dense", false), cell("sparse", false),
-             cell("rule", true), cell("cost", true), ratio("speedup_rule_vs_sparse"),
-             ratio("speedup_cost_vs_sparse"), ratio("cost_vs_oracle"),
+  fmt::print("{:<26} {:<18} {:>9} {:>9} {:>11} {:>11} {:>6} {:>6} {:>6} {:>8} {:>5}\n",
+             row["group"].get<std::string>(), row["label"].get<std::string>(), cell("dense", false),
+             cell("sparse", false), cell("rule", true), cell("cost", true),
+             ratio("speedup_rule_vs_sparse"), ratio("speedup_cost_vs_sparse"),
+             ratio("cost_vs_oracle"),
              best ? fmt::format("{:.1f}", jm[best]["tflops"].get<double>()) : "-",
              best ? fmt::format("{:.0f}", jm[best]["pct_ceiling"].get<double>()) : "-");
   std::fflush(stdout);
@@ -127,9 +141,7 @@ void print_bench_row(const std::string& group, const json& row) {
 json summarize(const json& rows) {
   json groups = json::object();
   for (const auto& r : rows) {
-    const std::string g = fmt::format("{} H={} {}", r["config"].get<std::string>(),
-                                      r["heads"].get<int>(), r["layout"].get<std::string>());
-    json& s = groups[g];
+    json& s = groups[r["group"].get<std::string>()];
     if (s.is_null())
       s = {{"fresh_within_topk", 0},
            {"rule_speedup_min", 1e300},

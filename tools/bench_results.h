@@ -18,10 +18,16 @@ namespace dsakit::cli {
 nlohmann::json bench_document(const Backend& backend, const Backend::Ceilings& ceilings,
                               const DispatchPolicy& policy, const BenchOptions& options);
 
-// One shape's row: the shape, each mode's timing with its path, FLOP rate and share of the GEMM
-// ceiling, and the oracle (faster exact whole-batch path measured) with the speed-ups over it.
-nlohmann::json bench_row(const ModelConfig& config, KvLayout layout, const BenchShape& shape,
-                         const Batch& batch, const std::vector<DispatchMode>& modes,
+// A group of rows (model config, heads, pool layout, weights): "deepseek-v3.2 H=16 fp8", with
+// " w8" where the layers read kv_b_proj in FP8.
+std::string group_name(const ModelConfig& config, KvLayout layout, bool fp8_weights = false);
+
+// One shape's row: its group, the shape, each mode's timing with its path, FLOP rate and share of
+// the GEMM ceiling, and the oracle (faster exact whole-batch path measured) with the speed-ups
+// over it.
+nlohmann::json bench_row(const ModelConfig& config, KvLayout layout, bool fp8_weights,
+                         const BenchShape& shape, const Batch& batch,
+                         const std::vector<DispatchMode>& modes,
                          const std::vector<PolicyTiming>& timings, double gemm_tflops);
 
 // Writes the document to `path` atomically; nothing when `path` is empty.
@@ -29,7 +35,7 @@ void write_bench_json(const std::string& path, const nlohmann::json& doc);
 
 // The table: the ceilings line and the column header, then a line per row.
 void print_bench_header(const std::string& device_name, const Backend::Ceilings& ceilings);
-void print_bench_row(const std::string& group, const nlohmann::json& row);
+void print_bench_row(const nlohmann::json& row);
 
 // The figures of a run per group (speed-ups over always-sparse, cost and rule against the
 // oracle), and their printout.

@@ -287,6 +287,11 @@ int run_cli(int argc, char** argv) {
                     "Draw PREFIX-curves/-decision/-speedup figures with tools/plot_bench.py "
                     "(matplotlib); JSON goes to --json or PREFIX.json");
   bench->add_option("--plot-format", bo.plot_format, "png | svg")->capture_default_str();
+  bench->add_flag("--fp8-weights", bo.fp8_weights,
+                  "Give the layers kv_b_proj also in its FP8 checkpoint form (random 128x128 "
+                  "block-scaled e4m3): on fp8 and fp8-raw pools the dense path's K/V "
+                  "up-projection then reads the pool's codes in one FP8 GEMM (groups marked w8); "
+                  "bf16 pools run as without it");
   bench->add_option("--seed", bo.seed, "Seed of the random inputs")->capture_default_str();
   bench->add_flag("--quiet", bo.quiet, "No progress line");
   bench->add_option("--dcp", bo.dcp,

@@ -192,6 +192,9 @@ int run_dcp_command(const RunOptions& opt) {
 
 int bench_dcp_command(const BenchOptions& bo) {
   DSAKIT_CHECK_ARG(bo.dcp >= 1 && bo.dcp <= 64, "--dcp: expected 1..64 GPUs, got ", bo.dcp);
+  DSAKIT_CHECK_ARG(!bo.fp8_weights,
+                   "--fp8-weights: not offered with --dcp (its ranks draw bf16 "
+                   "weights)");
   DSAKIT_CHECK_ARG(bo.device == "auto" || bo.device == "cuda",
                    "bench --dcp runs one process per GPU (--device cuda)");
   DSAKIT_CHECK_ARG(bo.min_runs >= 1 && bo.runs >= bo.min_runs,

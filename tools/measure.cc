@@ -72,12 +72,17 @@ struct LayerBench::State {
   };
   BenchShape shape;
   Batch batch;
-  Tensor w;
+  Tensor w, w_codes, w_scales;  // kv_b_proj: bf16; its FP8 form (fp8_weights() only)
   std::vector<std::unique_ptr<Set>> sets;
 };
 
-LayerBench::LayerBench(Backend& backend, ModelConfig config, KvLayout layout, uint64_t seed)
-    : be_(backend), config_(std::move(config)), layout_(layout), seed_(seed) {
+LayerBench::LayerBench(Backend& backend, ModelConfig config, KvLayout layout, uint64_t seed,
+                       bool fp8_weights)
+    : be_(backend),
+      config_(std::move(config)),
+      layout_(layout),
+      seed_(seed),
+      fp8_weights_(fp8_weights) {
   config_.validate();
 }
 
@@ -109,8 +114,15 @@ void LayerBench::prepare(const BenchShape& shape) {
   st->batch.prefix_lens = shape.prefix;
   st->batch.extend_lens = shape.extend;
   st->batch.page_tables = allocate_pages(lengths, page, pages, seed_ + 1);
-  st->w = be_.to_device(uniform_host(
-      DType::kBF16, {h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, seed_ + 2, 0.08f));
+  if (fp8_weights()) {
+    const Fp8KvBProj w = random_fp8_kv_b_proj(c, seed_ + 2);
+    st->w = be_.to_device(w.bf16);
+    st->w_codes = be_.to_device(w.codes);
+    st->w_scales = be_.to_device(w.scales);
+  } else {
+    st->w = be_.to_device(uniform_host(
+        DType::kBF16, {h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, seed_ + 2, 0.08f));
+  }
 
   KvPoolDesc kd;
   kd.layout = layout_;
@@ -154,6 +166,7 @@ void LayerBench::prepare(const BenchShape& shape) {
       be_.store_index_keys(set->ix, locs, dev(DType::kBF16, {prefix_total, c.index_head_dim}, 10));
     }
     LayerOptions o;
+    if (fp8_weights()) o.kv_b_proj_fp8 = {st->w_codes, st->w_scales};
     set->layer = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
     o.time_stages = true;
     set->staged = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);

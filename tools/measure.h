@@ -49,11 +49,16 @@ double plan_flops(const ModelConfig& config, const Batch& batch, const Plan& pla
 
 class LayerBench {
  public:
-  LayerBench(Backend& backend, ModelConfig config, KvLayout layout, uint64_t seed);
+  // fp8_weights: the layers also take kv_b_proj in its FP8 checkpoint form
+  // (LayerOptions::kv_b_proj_fp8, random block-scaled weights); only fp8 / fp8-raw pools use it.
+  LayerBench(Backend& backend, ModelConfig config, KvLayout layout, uint64_t seed,
+             bool fp8_weights = false);
   ~LayerBench();
 
   const ModelConfig& config() const { return config_; }
   KvLayout layout() const { return layout_; }
+  // Whether the layers' dense path reads FP8 weights (asked for, and the pool is FP8).
+  bool fp8_weights() const { return fp8_weights_ && layout_ != KvLayout::kBf16; }
 
   // Allocates pools and random inputs for `shape` (up to 3 rotated sets while one set stays
   // under 1 GiB, else 1) and stores the cached prefixes. Replaces the previous shape.
@@ -74,6 +79,7 @@ class LayerBench {
   ModelConfig config_;
   KvLayout layout_;
   uint64_t seed_;
+  bool fp8_weights_;
   std::unique_ptr<State> state_;
 };
 

@@ -3,8 +3,8 @@
 
 Usage: python3 tools/plot_bench.py BENCH.json OUT_PREFIX [--format png|svg]
 
-Rows are grouped by (config, heads, layout); every figure has one subplot per group (at most
-three columns) and the device name in its title. Three figures:
+Rows are grouped by (config, heads, layout, weights); every figure has one subplot per group (at
+most three columns) and the device name in its title. Three figures:
 
   OUT_PREFIX-curves.<fmt>    rows of kind "fresh": whole-layer time (ms, log scale) against the
                              number of tokens (log2 scale), one line per mode present among
@@ -51,7 +51,7 @@ FORMAT_TAG = "dsakit-bench"
 KNOWN_VERSION = 1
 
 Row = dict[str, Any]
-GroupKey = tuple[str, str, str]
+GroupKey = tuple[str, str, str, str]
 
 MODES = ("dense", "sparse", "rule", "cost")
 MODE_STYLE: dict[str, dict[str, Any]] = {
@@ -139,12 +139,13 @@ def has_path(row: Row, name: str) -> bool:
 
 
 def group_key(row: Row) -> GroupKey:
-    return (str(row.get("config", "?")), str(row.get("heads", "?")), str(row.get("layout", "?")))
+    return (str(row.get("config", "?")), str(row.get("heads", "?")), str(row.get("layout", "?")),
+            str(row.get("weights", "bf16")))
 
 
 def group_title(key: GroupKey) -> str:
-    config, heads, layout = key
-    return f"{config} H={heads} {layout}"
+    config, heads, layout, weights = key
+    return f"{config} H={heads} {layout}" + (" w8" if weights == "fp8" else "")
 
 
 def group_rows(rows: Sequence[Any], kind: str) -> dict[GroupKey, list[Row]]:

@@ -53,6 +53,32 @@ def test_bench_quick_grid_json(run, tmp_path):
     assert "summary" in p.stdout and "T=512" in p.stdout
 
 
+def test_bench_fp8_weights(run, tmp_path):
+    """--fp8-weights: the fp8 pool's dense path reads the FP8 weights (no gather stage, the
+    rows marked w8); the bf16 pool's runs as without it."""
+    out = tmp_path / "w.json"
+    p = run("bench", "--device", "cpu", "--threads", "2", "--models", "deepseek-v3.2:8",
+            "--kv", "fp8,bf16", "--grid", "quick", "--fresh", "128", "--prefixes", "384",
+            "--extends", "64", "--no-mixed", "--modes", "dense,sparse", *FAST, "--fp8-weights",
+            "--json", out, "--quiet")
+    assert p.returncode == 0, p.stderr
+    rows = load(out)["rows"]
+    assert [(r["layout"], r["label"]) for r in rows] == [
+        ("fp8", "T=128"), ("fp8", "P=384 E=64"), ("bf16", "T=128"), ("bf16", "P=384 E=64")]
+    for r in rows:
+        fp8 = r["layout"] == "fp8"
+        assert r["weights"] == ("fp8" if fp8 else "bf16")
+        assert r["group"] == "deepseek-v3.2 H=16 " + ("fp8 w8" if fp8 else "bf16")
+        dense = r["modes"]["dense"]
+        assert dense["path"] == "dense_mha" and dense["ms"] > 0
+        assert "up_proj_kv" in dense["stages"]
+        # Only the prefix row reads pool rows; with FP8 weights the GEMM reads them itself.
+        if r["kind"] == "prefix":
+            assert ("gather" in dense["stages"]) == (not fp8)
+    assert set(load(out)["summary"]) == {"deepseek-v3.2 H=16 fp8 w8", "deepseek-v3.2 H=16 bf16"}
+    assert "fp8 w8" in p.stdout
+
+
 def test_calibrated_profile_drives_cost_mode(run, profile, tmp_path):
     doc = load(profile)
     assert doc["format"] == "dsakit-cost-profile"
@@ -139,6 +165,7 @@ def test_ctrl_c_leaves_valid_partial_json(dsakit, tmp_path):
     (["--fresh", "0"], "--fresh"),
     (["--plot-format", "gif"], "--plot-format"),
     (["--device", "tpu"], "--device"),
+    (["--dcp", "2", "--fp8-weights"], "--fp8-weights"),
 ])
 def test_bench_bad_flags(run, args, message):
     p = run("bench", "--device", "cpu", *args)

@@ -141,11 +141,15 @@ void up_proj_kv_fp8(const CpuContext& ctx, const PagedKvPool& pool, const Tensor
   const uint8_t* codes = w.codes.ptr<const uint8_t>();
   const float* scales = w.scales.ptr<const float>();
   float* out = weights.ptr<float>();
+  const std::array<float, 256>& value = e4m3_values();
   parallel_chunks(w_rows, ctx.threads, [&](int64_t begin, int64_t n) {
     for (int64_t r = begin; r < begin + n; ++r)
-      for (int64_t c = 0; c < d_c; ++c)
-        out[r * d_c + c] = e4m3_to_f32(codes[r * d_c + c]) *
-                           scales[(r / kFp8TileSize) * blocks + c / kFp8TileSize];
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float scale = scales[(r / kFp8TileSize) * blocks + b];
+        const uint8_t* in = codes + r * d_c + b * kFp8TileSize;
+        float* o = out + r * d_c + b * kFp8TileSize;
+        for (int c = 0; c < kFp8TileSize; ++c) o[c] = value[in[c]] * scale;
+      }
   });
   up_proj_kv(ctx, latent, weights, k_nope, v);
 }
