@@ -169,6 +169,8 @@ int bench_command(const BenchOptions& o) {
   const auto layouts = parse_layouts(o.kv);
   const std::vector<BenchShape> shapes = bench_shapes(o, be->device());
   const DispatchPolicy base = bench_policy(o.profile);
+  LayerBenchOptions lb_options;
+  lb_options.fp8_weights = o.fp8_weights;
   const std::string json_path =
       !o.json.empty() ? o.json : (!o.plot.empty() ? o.plot + ".json" : std::string());
 
@@ -190,8 +192,8 @@ int bench_command(const BenchOptions& o) {
   size_t done = 0;
   for (const ModelConfig& cfg : models) {
     for (KvLayout layout : layouts) {
-      LayerBench lb(*be, cfg, layout, o.seed, o.fp8_weights);
-      const std::string group = group_name(cfg, layout, lb.fp8_weights());
+      LayerBench lb(*be, cfg, layout, o.seed, lb_options);
+      const std::string group = lb.group();
       for (const BenchShape& shape : shapes) {
         if (g_stop.load()) break;
         progress(done, total, group + " | " + shape.kind + " " + shape.label());
@@ -199,8 +201,7 @@ int bench_command(const BenchOptions& o) {
                                          std::min(o.min_runs, o.runs), o.budget_ms, o.stages);
         if (g_stop.load()) break;
         ++done;
-        doc["rows"].push_back(bench_row(cfg, layout, lb.fp8_weights(), shape, lb.batch(), t.modes,
-                                        t.timings, ceil.gemm_tflops));
+        doc["rows"].push_back(bench_row(lb, shape, t.modes, t.timings, ceil.gemm_tflops));
         write_bench_json(json_path, doc);
         progress.clear();
         print_bench_row(doc["rows"].back());
@@ -283,7 +284,7 @@ int calibrate_command(const CalibrateOptions& o) {
                  cfg.v_head_dim, "): cost mode has nothing to choose there");
     for (KvLayout layout : layouts) {
       LayerBench lb(*be, cfg, layout, o.seed);
-      const std::string group = group_name(cfg, layout);
+      const std::string group = lb.group();
       std::vector<CostSample> samples;
       for (const BenchShape& shape : calibration_shapes(cfg.index_topk)) {
         if (g_stop.load()) break;

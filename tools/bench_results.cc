@@ -41,27 +41,19 @@ json bench_document(const Backend& be, const Backend::Ceilings& ceil, const Disp
   return doc;
 }
 
-std::string group_name(const ModelConfig& c, KvLayout layout, bool fp8_weights) {
-  return fmt::format("{} H={} {}{}", c.name, c.num_heads, to_string(layout),
-                     fp8_weights ? " w8" : "");
-}
-
-json bench_row(const ModelConfig& cfg, KvLayout layout, bool fp8_weights, const BenchShape& shape,
-               const Batch& batch, const std::vector<DispatchMode>& used,
-               const std::vector<PolicyTiming>& timings, double gemm_tflops) {
+json bench_row(const LayerBench& bench, const BenchShape& shape,
+               const std::vector<DispatchMode>& used, const std::vector<PolicyTiming>& timings,
+               double gemm_tflops) {
+  const ModelConfig& cfg = bench.config();
+  const Batch& batch = bench.batch();
+  const KvLayout layout = bench.layout();
   const CostFeatures f = CostFeatures::of(batch, cfg);
-  json row = {{"group", group_name(cfg, layout, fp8_weights)},
-              {"weights", fp8_weights ? "fp8" : "bf16"},
-              {"config", cfg.name},
-              {"heads", cfg.num_heads},
-              {"layout", to_string(layout)},
-              {"index_topk", cfg.index_topk},
-              {"kind", shape.kind},
-              {"label", shape.label()},
-              {"prefix", shape.prefix},
-              {"extend", shape.extend},
-              {"tokens", shape.tokens()},
-              {"kv", int64_t(f.positions)},
+  json row = {{"group", bench.group()},      {"weights", bench.fp8_weights() ? "fp8" : "bf16"},
+              {"config", cfg.name},          {"heads", cfg.num_heads},
+              {"layout", to_string(layout)}, {"index_topk", cfg.index_topk},
+              {"kind", shape.kind},          {"label", shape.label()},
+              {"prefix", shape.prefix},      {"extend", shape.extend},
+              {"tokens", shape.tokens()},    {"kv", int64_t(f.positions)},
               {"max_len", shape.max_len()}};
   json jm = json::object();
   for (size_t i = 0; i < used.size(); ++i) {

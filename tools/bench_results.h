@@ -18,15 +18,10 @@ namespace dsakit::cli {
 nlohmann::json bench_document(const Backend& backend, const Backend::Ceilings& ceilings,
                               const DispatchPolicy& policy, const BenchOptions& options);
 
-// A group of rows (model config, heads, pool layout, weights): "deepseek-v3.2 H=16 fp8", with
-// " w8" where the layers read kv_b_proj in FP8.
-std::string group_name(const ModelConfig& config, KvLayout layout, bool fp8_weights = false);
-
-// One shape's row: its group, the shape, each mode's timing with its path, FLOP rate and share of
-// the GEMM ceiling, and the oracle (faster exact whole-batch path measured) with the speed-ups
-// over it.
-nlohmann::json bench_row(const ModelConfig& config, KvLayout layout, bool fp8_weights,
-                         const BenchShape& shape, const Batch& batch,
+// One shape's row (the shape `bench` has prepared): its group (LayerBench::group), the layers'
+// weights, the shape, each mode's timing with its path, FLOP rate and share of the GEMM ceiling,
+// and the oracle (faster exact whole-batch path measured) with the speed-ups over it.
+nlohmann::json bench_row(const LayerBench& bench, const BenchShape& shape,
                          const std::vector<DispatchMode>& modes,
                          const std::vector<PolicyTiming>& timings, double gemm_tflops);
 

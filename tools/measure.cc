@@ -1,5 +1,7 @@
 #include "tools/measure.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <numeric>
@@ -77,16 +79,17 @@ struct LayerBench::State {
 };
 
 LayerBench::LayerBench(Backend& backend, ModelConfig config, KvLayout layout, uint64_t seed,
-                       bool fp8_weights)
-    : be_(backend),
-      config_(std::move(config)),
-      layout_(layout),
-      seed_(seed),
-      fp8_weights_(fp8_weights) {
+                       LayerBenchOptions options)
+    : be_(backend), config_(std::move(config)), layout_(layout), seed_(seed), options_(options) {
   config_.validate();
 }
 
 LayerBench::~LayerBench() = default;
+
+std::string LayerBench::group() const {
+  return fmt::format("{} H={} {}{}", config_.name, config_.num_heads, to_string(layout_),
+                     fp8_weights() ? " w8" : "");
+}
 
 const Batch& LayerBench::batch() const {
   DSAKIT_CHECK(state_ != nullptr, kInternal, "LayerBench: prepare() a shape first");

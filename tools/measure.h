@@ -47,18 +47,25 @@ struct PolicyTiming {
 double layer_flops(const ModelConfig& config, AttentionPath path, const CostFeatures& f);
 double plan_flops(const ModelConfig& config, const Batch& batch, const Plan& plan);
 
+// What the timed layers are given beyond the shape.
+struct LayerBenchOptions {
+  // The layers also take kv_b_proj in its FP8 checkpoint form (LayerOptions::kv_b_proj_fp8,
+  // random block-scaled weights); only fp8 / fp8-raw pools use it.
+  bool fp8_weights = false;
+};
+
 class LayerBench {
  public:
-  // fp8_weights: the layers also take kv_b_proj in its FP8 checkpoint form
-  // (LayerOptions::kv_b_proj_fp8, random block-scaled weights); only fp8 / fp8-raw pools use it.
   LayerBench(Backend& backend, ModelConfig config, KvLayout layout, uint64_t seed,
-             bool fp8_weights = false);
+             LayerBenchOptions options = {});
   ~LayerBench();
 
   const ModelConfig& config() const { return config_; }
   KvLayout layout() const { return layout_; }
   // Whether the layers' dense path reads FP8 weights (asked for, and the pool is FP8).
-  bool fp8_weights() const { return fp8_weights_ && layout_ != KvLayout::kBf16; }
+  bool fp8_weights() const { return options_.fp8_weights && layout_ != KvLayout::kBf16; }
+  // The rows' group: "deepseek-v3.2 H=16 fp8", then " w8" where the layers read FP8 weights.
+  std::string group() const;
 
   // Allocates pools and random inputs for `shape` (up to 3 rotated sets while one set stays
   // under 1 GiB, else 1) and stores the cached prefixes. Replaces the previous shape.
@@ -79,7 +86,7 @@ class LayerBench {
   ModelConfig config_;
   KvLayout layout_;
   uint64_t seed_;
-  bool fp8_weights_;
+  LayerBenchOptions options_;
   std::unique_ptr<State> state_;
 };
 
