@@ -195,8 +195,10 @@ int run_cli(int argc, char** argv) {
                   "rel-L2 bound on o for --verify (default: 1e-2 bf16 pool, 3e-2 fp8 pools)");
   run->add_flag("--fp8-weights", ro.fp8_weights,
                 "Give the layer kv_b_proj's FP8 checkpoint form too (e4m3, 128x128 block scales; "
-                "random, bf16-exact): with an fp8 / fp8-raw pool on a GPU that has it (sm_90) the "
-                "dense path's K/V up-projection runs as an FP8 GEMM on the pool's codes");
+                "random, bf16-exact): with an fp8 / fp8-raw pool (CPU, or CUDA sm_90) the dense "
+                "path's K/V up-projection runs as an FP8 GEMM on the pool's codes. --inputs "
+                "files that hold kv_b_proj_fp8 use it with or without this flag (with it, the "
+                "file must hold it)");
   run->add_option("--inputs", ro.inputs,
                   "Read the inputs (and lengths) from a safetensors file written by --save");
   run->add_option("--save", ro.save, "Write inputs, outputs and pool rows to a safetensors file");

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <random>
 
+#include "dsakit/error.h"
 #include "dsakit/formats.h"
 
 namespace dsakit {
@@ -91,20 +92,32 @@ Fp8KvBProj random_fp8_kv_b_proj(const ModelConfig& c, uint64_t seed) {
   const int64_t d_c = c.kv_lora_rank, tiles = d_c / kFp8TileSize;
   const int64_t row_blocks = (rows + kFp8TileSize - 1) / kFp8TileSize;
   Fp8KvBProj w{Tensor::host(DType::kU8, {rows, d_c}),
-               Tensor::host(DType::kF32, {row_blocks, tiles}),
-               Tensor::host(DType::kBF16, {rows, d_c})};
+               Tensor::host(DType::kF32, {row_blocks, tiles}), Tensor()};
   std::mt19937_64 gen(seed);
   // Block scales 2^-e with e spread over three binades around 448 · 2^-e ~ 3/sqrt(d_c).
   const int e0 = int(std::lround(std::log2(kE4m3Max * std::sqrt(float(d_c)) / 3.0f)));
   for (int64_t i = 0; i < row_blocks * tiles; ++i)
     w.scales.ptr<float>()[i] = std::ldexp(1.0f, -(e0 + int(gen() % 3)));
   std::uniform_real_distribution<float> code_value(-kE4m3Max, kE4m3Max);
+  for (int64_t i = 0; i < rows * d_c; ++i) w.codes.ptr<uint8_t>()[i] = f32_to_e4m3(code_value(gen));
+  w.bf16 = decode_fp8_kv_b_proj(w.codes, w.scales, DType::kBF16);
+  return w;
+}
+
+Tensor decode_fp8_kv_b_proj(const Tensor& codes, const Tensor& scales, DType dtype) {
+  DSAKIT_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kBF16,
+                   "decode_fp8_kv_b_proj: expected f32 or bf16, got ", to_string(dtype));
+  const int64_t rows = codes.view().shape[0], d_c = codes.view().shape[1];
+  const int64_t tiles = d_c / kFp8TileSize;
+  Tensor w = Tensor::host(dtype, {rows, d_c});
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t col = 0; col < d_c; ++col) {
-      const uint8_t code = f32_to_e4m3(code_value(gen));
-      const float scale = w.scales.ptr<float>()[(r / kFp8TileSize) * tiles + col / kFp8TileSize];
-      w.codes.ptr<uint8_t>()[r * d_c + col] = code;
-      w.bf16.ptr<bf16_t>()[r * d_c + col] = f32_to_bf16(e4m3_to_f32(code) * scale);
+      const float scale = scales.ptr<float>()[(r / kFp8TileSize) * tiles + col / kFp8TileSize];
+      const float x = e4m3_to_f32(codes.ptr<uint8_t>()[r * d_c + col]) * scale;
+      if (dtype == DType::kF32)
+        w.ptr<float>()[r * d_c + col] = x;
+      else
+        w.ptr<bf16_t>()[r * d_c + col] = f32_to_bf16(x);
     }
   return w;
 }

@@ -38,5 +38,9 @@ struct Fp8KvBProj {
   Tensor bf16;    // bf16 [H*(d_nope+d_v), d_c], = e4m3(codes) · scales exactly
 };
 Fp8KvBProj random_fp8_kv_b_proj(const ModelConfig& config, uint64_t seed);
+// FP8 block weights decoded: e4m3(codes[r, c]) · scales[r / 128, c / 128] as an f32 product,
+// in `dtype` f32, or bf16 (that product rounded to nearest even: kv_b_proj's bf16 form, exact
+// where the scales are powers of two).
+Tensor decode_fp8_kv_b_proj(const Tensor& codes, const Tensor& scales, DType dtype);
 
 }  // namespace dsakit

@@ -65,6 +65,9 @@ void print_run_header(const RunOptions& opt, const RunState& run) {
   fmt::print("model    {}\n", run.cfg.summary());
   fmt::print("device   {}\n", run.be->capabilities().device_name);
   fmt::print("kv pool  {}\n", run.kd.summary());
+  if (run.kv_b_proj_fp8_host.codes.defined())
+    fmt::print("weights  kv_b_proj bf16 and FP8 (e4m3, 128x128 block scales){}\n",
+               opt.inputs.empty() ? " random" : " from " + opt.inputs);
   fmt::print("batch    prompts [{}] cached prefix [{}] chunk {} decode steps {}  sm_scale {:.6g}\n",
              join_int_list(run.len.prompt), join_int_list(run.len.prefix), opt.chunk,
              run.len.decode_steps, run.layer->sm_scale());
@@ -120,6 +123,7 @@ void print_run_json(const RunOptions& opt, const RunState& run, const StepSummar
   j["model"] = json::parse(run.cfg.to_json());
   j["device"] = run.be->capabilities().device_name;
   j["kv_layout"] = to_string(run.kd.layout);
+  j["weights"] = run.kv_b_proj_fp8_host.codes.defined() ? "bf16+fp8" : "bf16";
   j["page_size"] = opt.page_size;
   j["prompts"] = run.len.prompt;
   j["prefix"] = run.len.prefix;
@@ -191,9 +195,6 @@ void check_run_options(const RunOptions& opt) {
                    opt.verify_tokens);
   DSAKIT_CHECK_ARG(opt.verify_tol >= 0 && opt.verify_tol < 1, "--verify-tol: expected [0, 1), got ",
                    opt.verify_tol);
-  DSAKIT_CHECK_ARG(!opt.fp8_weights || opt.inputs.empty(),
-                   "--fp8-weights draws its own random weights; with --inputs the file's bf16 "
-                   "kv_b_proj is the layer's: leave one of the two out");
   DSAKIT_CHECK_ARG(!opt.fp8_weights || opt.dcp == 0,
                    "--fp8-weights: not offered with --dcp (its ranks draw bf16 weights)");
   DSAKIT_CHECK_ARG(opt.max_workspace_mb >= 0 && opt.max_workspace_mb <= (int64_t(1) << 40),
@@ -237,13 +238,21 @@ RunLengths run_lengths(const RunOptions& opt, SafetensorsFile& in_file) {
 void set_up_run(const RunOptions& opt, RunState& run) {
   const ModelConfig& cfg = run.cfg;
   run.be = opt.device == "cpu" ? make_cpu_backend(opt.threads) : make_backend(opt.device);
-  run.tokens = opt.inputs.empty() ? random_token_store(cfg, run.len.total(), opt.seed)
-                                  : read_run_inputs(run.in_file, cfg, run.len, run.kv_b_proj_host);
-  if (opt.fp8_weights) {
-    run.kv_b_proj_fp8_host = random_fp8_kv_b_proj(cfg, opt.seed + 1);
-    run.kv_b_proj_host = run.kv_b_proj_fp8_host.bf16;
-  } else if (opt.inputs.empty()) {
-    run.kv_b_proj_host = random_kv_b_proj(cfg, opt.seed + 1);
+  if (!opt.inputs.empty()) {
+    // The file's weights, in FP8 too where it has them (--fp8-weights then only asserts so).
+    run.tokens =
+        read_run_inputs(run.in_file, cfg, run.len, run.kv_b_proj_host, run.kv_b_proj_fp8_host);
+    DSAKIT_CHECK_ARG(!opt.fp8_weights || run.kv_b_proj_fp8_host.codes.defined(),
+                     "--fp8-weights with --inputs: ", opt.inputs,
+                     " has no kv_b_proj_fp8 / kv_b_proj_fp8_scales (its kv_b_proj is bf16 only)");
+  } else {
+    run.tokens = random_token_store(cfg, run.len.total(), opt.seed);
+    if (opt.fp8_weights) {
+      run.kv_b_proj_fp8_host = random_fp8_kv_b_proj(cfg, opt.seed + 1);
+      run.kv_b_proj_host = run.kv_b_proj_fp8_host.bf16;
+    } else {
+      run.kv_b_proj_host = random_kv_b_proj(cfg, opt.seed + 1);
+    }
   }
   set_up_layer(opt, run);
 }

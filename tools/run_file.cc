@@ -32,7 +32,7 @@ RunLengths read_run_lengths(const SafetensorsFile& f, const std::string& path) {
 }
 
 TokenStore read_run_inputs(const SafetensorsFile& f, const ModelConfig& c, const RunLengths& len,
-                           Tensor& kv_b_proj) {
+                           Tensor& kv_b_proj, Fp8KvBProj& kv_b_proj_fp8) {
   TokenStore s;
   s.lengths = len.total();
   const int64_t n = s.rows();
@@ -43,8 +43,33 @@ TokenStore read_run_inputs(const SafetensorsFile& f, const ModelConfig& c, const
   s.idx_q = f.get("idx_q", DType::kBF16, {n, c.index_n_heads, c.index_head_dim});
   s.idx_k = f.get("idx_k", DType::kBF16, {n, c.index_head_dim});
   s.idx_w = f.get("idx_w", DType::kF32, {n, c.index_n_heads});
-  kv_b_proj = f.get("kv_b_proj", DType::kBF16,
-                    {int64_t(c.num_heads) * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank});
+  const int64_t w_rows = int64_t(c.num_heads) * (c.qk_nope_head_dim + c.v_head_dim);
+  kv_b_proj_fp8 = {};
+  if (!f.has("kv_b_proj_fp8")) {
+    kv_b_proj = f.get("kv_b_proj", DType::kBF16, {w_rows, c.kv_lora_rank});
+    return s;
+  }
+  DSAKIT_CHECK(c.kv_lora_rank % kFp8TileSize == 0, kFormat, f.origin(),
+               ": kv_b_proj_fp8 needs d_c a multiple of ", kFp8TileSize, ", the config's is ",
+               c.kv_lora_rank);
+  Fp8KvBProj& w = kv_b_proj_fp8;
+  w.codes = f.get("kv_b_proj_fp8", DType::kU8, {w_rows, c.kv_lora_rank});
+  w.scales = f.get("kv_b_proj_fp8_scales", DType::kF32,
+                   {(w_rows + kFp8TileSize - 1) / kFp8TileSize, c.kv_lora_rank / kFp8TileSize});
+  w.bf16 = decode_fp8_kv_b_proj(w.codes, w.scales, DType::kBF16);
+  if (f.has("kv_b_proj")) {
+    const Tensor& given = f.get("kv_b_proj", DType::kBF16, {w_rows, c.kv_lora_rank});
+    const bf16_t* a = given.ptr<const bf16_t>();
+    const bf16_t* b = w.bf16.ptr<const bf16_t>();
+    for (int64_t i = 0; i < w_rows * c.kv_lora_rank; ++i)
+      DSAKIT_CHECK(a[i].bits == b[i].bits, kFormat, f.origin(),
+                   ": kv_b_proj and kv_b_proj_fp8 hold different weights: element [",
+                   i / c.kv_lora_rank, ", ", i % c.kv_lora_rank, "] is ", bf16_to_f32(a[i]),
+                   " in kv_b_proj and ", bf16_to_f32(b[i]),
+                   " as bf16(e4m3(code) * block scale); leave kv_b_proj out to use the FP8 form "
+                   "alone");
+  }
+  kv_b_proj = w.bf16;
   return s;
 }
 
@@ -63,6 +88,10 @@ void write_run_file(const std::string& path, const RunOptions& opt, const RunSta
   w.add("idx_k", tokens.idx_k);
   w.add("idx_w", tokens.idx_w);
   w.add("kv_b_proj", run.kv_b_proj_host);
+  if (run.kv_b_proj_fp8_host.codes.defined()) {
+    w.add("kv_b_proj_fp8", run.kv_b_proj_fp8_host.codes);
+    w.add("kv_b_proj_fp8_scales", run.kv_b_proj_fp8_host.scales);
+  }
   const int64_t rows = tokens.rows(), h = cfg.num_heads, dv = cfg.v_head_dim;
   Tensor o_bf16 = Tensor::host(DType::kBF16, {rows, h, dv});
   for (int64_t i = 0; i < o_bf16.numel(); ++i)

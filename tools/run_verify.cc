@@ -81,6 +81,13 @@ VerifyResult verify_run(const RunOptions& opt, const RunState& run) {
   snap.bf16_intermediates = run.be->capabilities().intermediate_dtype == DType::kBF16;
   snap.fp8_up_projection =
       detail::fp8_up_proj_weights(*run.be, run.kv_pool, run.layer->options()) != nullptr;
+  // The dense path's K/V came from the FP8 weights themselves (kv_b_proj is their rounding).
+  Tensor w_dense;
+  if (snap.fp8_up_projection) {
+    w_dense = decode_fp8_kv_b_proj(run.kv_b_proj_fp8_host.codes, run.kv_b_proj_fp8_host.scales,
+                                   DType::kF32);
+    snap.kv_b_proj_dense = w_dense;
+  }
   const Sample sample = sample_tokens(opt, run);
   const auto& qs = sample.queries;
   if (!opt.quiet && !opt.json)

@@ -87,7 +87,9 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
   const int h = c.num_heads, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim,
             dc = c.kv_lora_rank, hi = c.index_n_heads, di = c.index_head_dim, k = c.index_topk;
   const int dkv = dc + dr;
-  const Vec w = to_vec(s.kv_b_proj);
+  const Vec w_sparse = to_vec(s.kv_b_proj);
+  const Vec w_dense_own = s.kv_b_proj_dense.ndim != 0 ? to_vec(s.kv_b_proj_dense) : Vec();
+  const Vec& w_dense = w_dense_own.empty() ? w_sparse : w_dense_own;
   std::vector<int64_t> offset(s.lengths.size() + 1, 0);
   for (size_t r = 0; r < s.lengths.size(); ++r) offset[r + 1] = offset[r] + s.lengths[r];
 
@@ -104,7 +106,7 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
     std::map<int, int32_t> need;  // request -> positions its dense queries read
     for (const auto& q : queries)
       if (q.all_positions) need[q.request] = std::max(need[q.request], q.pos + 1);
-    for (const auto& [r, n] : need) dense.emplace(r, up_project(s, cache.at(r), w, n));
+    for (const auto& [r, n] : need) dense.emplace(r, up_project(s, cache.at(r), w_dense, n));
   }
 
   LayerReference out;
@@ -176,7 +178,9 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
       out.selected[size_t(qi)] = std::move(sel);
       continue;
     }
-    // Absorbed attention over the selected rows, then V up-projection.
+    // Absorbed attention over the selected rows, then V up-projection (for a dense query, with
+    // the dense path's weights: the same function as its up-projected K/V).
+    const Vec& w = q.all_positions ? w_dense : w_sparse;
     const auto mid = [&](double x) { return s.bf16_intermediates ? bf16_round(x) : x; };
     std::vector<const double*> rows(sel.size());  // keys: all d_c + d_rope values; values: d_c
     for (size_t i = 0; i < sel.size(); ++i) rows[i] = &kv.kv[size_t(sel[i]) * dkv];

@@ -35,6 +35,11 @@ struct LayerSnapshot {
   // block-scaled GEMM reads the latent as the pool decodes it (e4m3 codes and tile scales), not
   // rounded to bf16 by a gather.
   bool fp8_up_projection = false;
+  // The weights the dense path's K/V came from where they differ from kv_b_proj (f32 or f64,
+  // same shape): FP8 block weights decoded, e4m3(code) · block scale, of which kv_b_proj is the
+  // bf16 rounding. Empty: kv_b_proj. Dense queries (all_positions) read it, sparse ones
+  // kv_b_proj, as the layer's two paths do.
+  TensorView kv_b_proj_dense;
 };
 
 struct TokenQuery {

@@ -19,6 +19,33 @@ def read_safetensors(path: pathlib.Path):
     return out, meta
 
 
+def write_safetensors(path: pathlib.Path, tensors, meta):
+    """Minimal independent writer of {name: (dtype, shape, bytes)} and string metadata."""
+    header, blobs, offset = {}, [], 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    header["__metadata__"] = meta
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def e4m3_values(codes):
+    """e4m3 (OCP, no infinities) codes -> float64 values; 0x7F / 0xFF -> NaN."""
+    c = codes.astype(np.int64)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    e, m = (c >> 3) & 0xF, c & 0x7
+    v = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+    return np.where((c & 0x7F) == 0x7F, np.nan, sign * v)
+
+
+def bf16_bits_rne(x32):
+    """float32 array -> bf16 bits, rounded to nearest even."""
+    b = x32.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def verdict(p):
     return "PASS" if "-> PASS" in p.stdout else "FAIL" if "-> FAIL" in p.stdout else "none"
 
@@ -88,6 +115,63 @@ def test_inputs_conflicting_flags_rejected(run, tmp_path):
     assert p.returncode == 2 and "--inputs" in p.stderr
     p = run("run", "--device", "cpu", "--inputs", a, "--fp8-weights")
     assert p.returncode == 2 and "--fp8-weights" in p.stderr and "--inputs" in p.stderr
+
+
+def test_fp8_weights_save_then_inputs(run, tmp_path):
+    """--fp8-weights --save writes kv_b_proj's FP8 form; --inputs runs it again bit for bit, with
+    or without the bf16 form in the file and with the codes typed F8_E4M3 (a checkpoint's dtype).
+    Block scales that are not powers of two (a real checkpoint's) give the bf16 form as the
+    rounding of e4m3(code) * scale; a bf16 form that is not that rounding is refused."""
+    a, b, c = (tmp_path / f"{x}.safetensors" for x in "abc")
+    common = ["--device", "cpu", "--dispatch", "dense", "--kv", "fp8", "--page-size", "16"]
+    p = run("run", *common, "--prompts", "150,60", "--prefix", "40,0", "--fp8-weights",
+            "--save", a)
+    assert p.returncode == 0, p.stderr
+    ta, ma = read_safetensors(a)
+    rows = 16 * (128 + 128)
+    assert ta["kv_b_proj_fp8"][:2] == ("U8", [rows, 512])
+    assert ta["kv_b_proj_fp8_scales"][:2] == ("F32", [rows // 128, 4])
+
+    without_bf16 = {k: v for k, v in ta.items() if k != "kv_b_proj"}
+    without_bf16["kv_b_proj_fp8"] = ("F8_E4M3",) + ta["kv_b_proj_fp8"][1:]
+    write_safetensors(c, without_bf16, ma)
+    for src in (a, c):
+        q = run("run", *common, "--inputs", src, "--save", b, "--json")
+        assert q.returncode == 0, q.stderr
+        report = json.loads(q.stdout)
+        assert report["weights"] == "bf16+fp8" and "gather" not in report["stages_ms"]
+        tb, _ = read_safetensors(b)
+        for name in ["kv_b_proj", "kv_b_proj_fp8_scales", "o", "lse", "kv_pool", "index_pool"]:
+            assert ta[name] == tb[name], f"{name} differs (from {src.name})"
+        assert tb["kv_b_proj_fp8"][2] == ta["kv_b_proj_fp8"][2]
+
+    # Scales off the powers of two: the bf16 form is derived, the run verifies.
+    scales = np.frombuffer(ta["kv_b_proj_fp8_scales"][2], np.float32) * np.float32(1.1)
+    odd = dict(without_bf16)
+    odd["kv_b_proj_fp8_scales"] = ("F32", ta["kv_b_proj_fp8_scales"][1], scales.tobytes())
+    write_safetensors(c, odd, ma)
+    q = run("run", *common, "--inputs", c, "--save", b, "--verify", "--verify-tokens", "12",
+            "--json")
+    assert q.returncode == 0, q.stdout + q.stderr
+    assert json.loads(q.stdout)["verify"]["pass"]
+    codes = np.frombuffer(ta["kv_b_proj_fp8"][2], np.uint8).reshape(rows, 512)
+    block = np.repeat(np.repeat(scales.reshape(rows // 128, 4), 128, 0), 128, 1)
+    want = bf16_bits_rne(e4m3_values(codes).astype(np.float32) * block)
+    got = np.frombuffer(read_safetensors(b)[0]["kv_b_proj"][2], np.uint16).reshape(rows, 512)
+    assert np.array_equal(got, want)
+
+    # Both forms given, one bf16 element off the FP8 form's rounding.
+    bad = dict(ta)
+    w = bytearray(ta["kv_b_proj"][2])
+    w[2 * 1000] ^= 1
+    bad["kv_b_proj"] = ("BF16", ta["kv_b_proj"][1], bytes(w))
+    write_safetensors(c, bad, ma)
+    r = run("run", *common, "--inputs", c)
+    assert r.returncode == 2 and "hold different weights: element [1, 488]" in r.stderr, r.stderr
+    # --fp8-weights with a file that has no FP8 form.
+    run("run", *common, "--prompts", "20", "--save", b)
+    r = run("run", *common, "--inputs", b, "--fp8-weights")
+    assert r.returncode == 2 and "has no kv_b_proj_fp8" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8-raw", "bf16"])
