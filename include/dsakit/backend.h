@@ -240,6 +240,9 @@ class Backend {
   // out: i32 [T, k] positions within each request, ascending, -1 padded.
   void indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
                     int k, const TensorView& out);
+  // The same from queries already quantized: args.q8 u8 [T, H_i, d_i] and args.gate f32
+  // [T, H_i] as indexer_logits reads them (e.g. DeepGEMM's e4m3 q and weights).
+  void indexer_topk(const IndexerArgs& args, int k, const TensorView& out);
 
   // ---- projections (GEMMs) ------------------------------------------------------------
   // kv_b_proj: bf16 [H*(d_nope+d_v), d_c] (per head: d_nope rows of W_UK, then d_v of W_UV).

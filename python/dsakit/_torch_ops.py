@@ -80,6 +80,15 @@ def register() -> None:
     def _(q, kv, kv_scales, weights, ks, ke, clean_logits=True):
         return q.new_empty((q.shape[0], kv.shape[0]), dtype=torch.float32)
 
+    @torch.library.custom_op("dsakit::fp8_mqa_topk", mutates_args=())
+    def fp8_mqa_topk(q: Tensor, kv: Tensor, kv_scales: Tensor, weights: Tensor, ks: Tensor,
+                     ke: Tensor, k: int) -> Tensor:
+        return _ops._fp8_mqa_topk(q, kv, kv_scales, weights, ks, ke, k, None, None)
+
+    @fp8_mqa_topk.register_fake
+    def _(q, kv, kv_scales, weights, ks, ke, k):
+        return q.new_empty((q.shape[0], k), dtype=torch.int32)
+
     @torch.library.custom_op("dsakit::topk", mutates_args=())
     def topk(logits: Tensor, k: int, lengths: Optional[Tensor] = None) -> Tensor:
         return _ops._topk(logits, k, lengths, None, None)

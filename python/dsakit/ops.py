@@ -5,6 +5,7 @@ comparison is a one-line import change (docs/python.md#ops):
 * sparse_mla_decode   FlashMLA flash_mla_with_kvcache, sparse indices over a paged FP8 cache
 * quantize_kv_fp8 / dequantize_kv_fp8   FlashMLA's V3.2 656-byte FP8 token (and the raw 576 B)
 * fp8_mqa_logits      DeepGEMM fp8_mqa_logits (clean_logits: -inf outside [ks, ke))
+* fp8_mqa_topk        its top-k per row without the [s_q, s_kv] logits (the fused indexer)
 * topk                the indexer's top-k (ties to the lower position, NaN last, -1 padded)
 * dense_mha_prefill   FlashAttention varlen (bottom-right causal)
 
@@ -23,7 +24,7 @@ from . import _arrays as A
 from . import _dsakit as _C
 
 __all__ = ["sparse_mla_prefill", "sparse_mla_decode", "quantize_kv_fp8", "dequantize_kv_fp8",
-           "fp8_mqa_logits", "topk", "dense_mha_prefill", "KV_LAYOUTS"]
+           "fp8_mqa_logits", "fp8_mqa_topk", "topk", "dense_mha_prefill", "KV_LAYOUTS"]
 
 # Layout names: FlashMLA's (v32_656, raw_576) and dsakit's (fp8, fp8-raw, bf16), with row bytes.
 KV_LAYOUTS = {"v32_656": ("fp8", 656), "fp8": ("fp8", 656),
@@ -263,6 +264,41 @@ def _mask_before(logits, ks):
         raise NotImplementedError("fp8_mqa_logits: masking needs NumPy or torch outputs")
     starts = ks if A.is_numpy(ks) else np.from_dlpack(ks)
     logits[np.arange(logits.shape[1])[None, :] < starts[:, None]] = -np.inf
+
+
+def fp8_mqa_topk(q, kv, *args, out=None, stream=None):
+    """The lightning indexer's top-k straight from DeepGEMM's fp8_mqa_logits inputs, as
+    fp8_mqa_topk(q, (kv, kv_scales), weights, ks, ke, k) or
+    fp8_mqa_topk(q, kv, kv_scales, weights, ks, ke, k) -> int32 [s_q, k]: for row i the k
+    highest of fp8_mqa_logits' scores over keys ks[i] <= j < ke[i], as positions p = j - ks[i]
+    (request-local when ks[i] is the request's first key), ascending, -1 padded; larger scores
+    win, ties go to the lower position, NaN ranks below -inf, and a row with ke[i] - ks[i] <= k
+    selects 0 ... ke[i] - ks[i] - 1 without scoring. The same selection as
+    topk(fp8_mqa_logits(...)[i, ks[i]:ke[i]], k) row by row, without the [s_q, s_kv] logits:
+    they are computed a block of rows at a time within the indexer's workspace bound
+    (docs/cuda.md). ks / ke are read on the host (a synchronization on CUDA: not inside a CUDA
+    graph capture)."""
+    if isinstance(kv, tuple):
+        kv, kv_scales = kv
+        weights, ks, ke, k = args
+    else:
+        kv_scales, weights, ks, ke, k = args
+    if A.is_torch(q) and out is None and stream is None and _compiling():
+        return _torch_op("fp8_mqa_topk")(q, kv, kv_scales, weights, ks, ke, int(k))
+    return _fp8_mqa_topk(q, kv, kv_scales, weights, ks, ke, k, out, stream)
+
+
+def _fp8_mqa_topk(q, kv, kv_scales, weights, ks, ke, k, out, stream):
+    with A.on_stream(stream, q):
+        q, kv, kv_scales, weights, ks, ke = map(A.plain, (q, kv, kv_scales, weights, ks, ke))
+        sq, sk = A.shape(q, "q"), A.shape(kv, "kv")
+        s_q, s_kv, d = A.dim(sq, 0), A.dim(sk, 0), A.dim(sk, 1)
+        if out is None:
+            out = A.empty(q, (s_q, max(int(k), 0)), "i32")
+        scratch = A.empty(q, (s_kv * (d + 4),), "u8")
+        _C.ops.mqa_topk(*A.dl(q, kv, kv_scales, weights, ks, ke), int(k),
+                        *A.dl(A.plain(out), A.arange(q, s_kv), scratch), A.stream_of(stream, q))
+        return out
 
 
 # ---- top-k ---------------------------------------------------------------------------------------

@@ -299,9 +299,57 @@ void dequantize_kv(nb::handle packed_obj, nb::handle out_obj, const std::string&
 
 // ---- DeepGEMM: fp8_mqa_logits through indexer_logits --------------------------------------------
 
-// The index-key pool is one page of s_kv keys: s_kv·d e4m3 bytes, then s_kv fp32 scales. kv and
-// kv_scales are that page already when the scales follow the keys in memory; otherwise both are
-// copied into key_scratch (s_kv·(d + 4) bytes).
+// DeepGEMM's indexer inputs as dsakit's IndexerArgs over an index-key pool of one page: s_kv
+// keys, s_kv·d e4m3 bytes then s_kv fp32 scales. kv and kv_scales are that page already when the
+// scales follow the keys in memory; otherwise copy_keys() copies both into key_scratch
+// (s_kv·(d + 4) bytes). Shapes checked; the caller sets args.kv_start and args.ctx_len.
+struct DeepGemmIndexer {
+  int64_t s_q = 0, h = 0, d_i = 0, s_kv = 0;
+  bool adjacent = true;
+  const Arg &kv, &scales, &scratch;
+  std::optional<IndexKeyPool> pool;
+  IndexerArgs args;
+
+  DeepGemmIndexer(const Arg& q, const Arg& kv_, const Arg& scales_, const Arg& w,
+                  const Arg& kv_locs, const Arg& scratch_)
+      : kv(kv_), scales(scales_), scratch(scratch_) {
+    const Device dev = q.device.type;
+    check_tensor(q.view, "q", DType::kU8, dev, {-1, -1, -1});
+    s_q = q.view.shape[0], h = q.view.shape[1], d_i = q.view.shape[2];
+    check_tensor(kv.view, "kv", DType::kU8, dev, {-1, d_i});
+    s_kv = kv.view.shape[0];
+    check_tensor(scales.view, "kv_scales", DType::kF32, dev, {s_kv});
+    check_tensor(w.view, "weights", DType::kF32, dev, {s_q, h});
+    check_tensor(kv_locs.view, "kv_locs", DType::kI32, dev, {s_kv});
+    args.q8 = q.view;
+    args.gate = w.view;  // DeepGEMM's weights are dsakit's gate (H_i^-0.5·d_i^-0.5·s_q folded in)
+    args.kv_locs = kv_locs.view;
+    if (s_kv == 0 || s_q == 0) return;  // no pool: the caller writes nothing or padding
+    IndexKeyPoolDesc d{int(s_kv), 1, int(d_i)};
+    d.validate();
+    const auto* keys = static_cast<const uint8_t*>(kv.view.data);
+    adjacent = static_cast<const uint8_t*>(scales.view.data) == keys + s_kv * d_i;
+    if (!adjacent) {
+      DSAKIT_CHECK_ARG(scratch.given(), "key scratch: needed when kv_scales do not follow kv");
+      check_tensor(scratch.view, "key scratch", DType::kU8, dev, {d.page_bytes()});
+    }
+    pool.emplace(d, borrowed(make_view(adjacent ? kv.view.data : scratch.view.data, DType::kU8, dev,
+                                       {1, d.page_bytes()})));
+    args.keys = &*pool;
+  }
+  DeepGemmIndexer(const DeepGemmIndexer&) = delete;
+  DeepGemmIndexer& operator=(const DeepGemmIndexer&) = delete;
+
+  void copy_keys(Backend& be) const {
+    if (adjacent) return;
+    const Device dev = kv.device.type;
+    auto* base = static_cast<uint8_t*>(scratch.view.data);
+    be.copy(make_view(base, DType::kU8, dev, {s_kv * d_i}),
+            make_view(kv.view.data, DType::kU8, dev, {s_kv * d_i}));
+    be.copy(make_view(base + s_kv * d_i, DType::kF32, dev, {s_kv}), scales.view);
+  }
+};
+
 void mqa_logits(nb::handle q_obj, nb::handle kv_obj, nb::handle scales_obj, nb::handle w_obj,
                 nb::handle ke_obj, nb::handle logits_obj, nb::handle kv_locs_obj,
                 nb::handle kv_start_obj, nb::handle scratch_obj, std::optional<uint64_t> stream) {
@@ -312,44 +360,58 @@ void mqa_logits(nb::handle q_obj, nb::handle kv_obj, nb::handle scales_obj, nb::
             scratch = arg(scratch_obj, "key scratch", true, true);
   const DeviceRef dev = q.device;
   check_same_device(dev, {&kv, &scales, &w, &ke, &logits, &kv_locs, &kv_start, &scratch});
-  check_tensor(q.view, "q", DType::kU8, dev.type, {-1, -1, -1});
-  const int64_t s_q = q.view.shape[0], h = q.view.shape[1], d_i = q.view.shape[2];
-  check_tensor(kv.view, "kv", DType::kU8, dev.type, {-1, d_i});
-  const int64_t s_kv = kv.view.shape[0];
-  check_tensor(scales.view, "kv_scales", DType::kF32, dev.type, {s_kv});
-  check_tensor(w.view, "weights", DType::kF32, dev.type, {s_q, h});
-  check_tensor(ke.view, "ke", DType::kI32, dev.type, {s_q});
-  check_tensor(logits.view, "logits", DType::kF32, dev.type, {s_q, s_kv});
-  check_tensor(kv_locs.view, "kv_locs", DType::kI32, dev.type, {s_kv});
-  check_tensor(kv_start.view, "kv_start", DType::kI32, dev.type, {s_q});
-  if (s_kv == 0 || s_q == 0) return;
-  IndexKeyPoolDesc d{int(s_kv), 1, int(d_i)};
-  d.validate();
-  const auto* keys = static_cast<const uint8_t*>(kv.view.data);
-  const bool adjacent = static_cast<const uint8_t*>(scales.view.data) == keys + s_kv * d_i;
-  if (!adjacent) {
-    DSAKIT_CHECK_ARG(scratch.given(), "key scratch: needed when kv_scales do not follow kv");
-    check_tensor(scratch.view, "key scratch", DType::kU8, dev.type, {d.page_bytes()});
-  }
-  const IndexKeyPool pool(d, borrowed(make_view(adjacent ? kv.view.data : scratch.view.data,
-                                                DType::kU8, dev.type, {1, d.page_bytes()})));
-  IndexerArgs a;
-  a.q8 = q.view;
-  a.gate = w.view;  // DeepGEMM's weights are dsakit's gate (H_i^-0.5·d_i^-0.5·s_q folded in)
-  a.keys = &pool;
-  a.kv_locs = kv_locs.view;
-  a.kv_start = kv_start.view;
-  a.ctx_len = ke.view;  // keys [0, ke): the Python side masks [0, ks) to -inf afterwards
+  DeepGemmIndexer x(q, kv, scales, w, kv_locs, scratch);
+  check_tensor(ke.view, "ke", DType::kI32, dev.type, {x.s_q});
+  check_tensor(logits.view, "logits", DType::kF32, dev.type, {x.s_q, x.s_kv});
+  check_tensor(kv_start.view, "kv_start", DType::kI32, dev.type, {x.s_q});
+  if (x.s_kv == 0 || x.s_q == 0) return;
+  x.args.kv_start = kv_start.view;
+  x.args.ctx_len = ke.view;  // keys [0, ke): the Python side masks [0, ks) to -inf afterwards
   BackendSlot& slot = backend_for(dev);
   nb::gil_scoped_release nogil;
   Call call(slot, stream);
-  if (!adjacent) {
-    auto* base = static_cast<uint8_t*>(scratch.view.data);
-    call.be.copy(make_view(base, DType::kU8, dev.type, {s_kv * d_i}),
-                 make_view(kv.view.data, DType::kU8, dev.type, {s_kv * d_i}));
-    call.be.copy(make_view(base + s_kv * d_i, DType::kF32, dev.type, {s_kv}), scales.view);
+  x.copy_keys(call.be);
+  call.be.indexer_logits(x.args, 0, x.s_q, logits.view);
+}
+
+// The indexer's top-k of DeepGEMM's inputs without the [s_q, s_kv] logits: row i scores keys
+// [ks[i], ke[i]) (kv_start = ks, ctx_len = ke - ks, made on the host after checking
+// 0 <= ks <= ke <= s_kv) and out [s_q, k] gets positions p within that range (column ks[i] + p).
+void mqa_topk(nb::handle q_obj, nb::handle kv_obj, nb::handle scales_obj, nb::handle w_obj,
+              nb::handle ks_obj, nb::handle ke_obj, int k, nb::handle out_obj,
+              nb::handle kv_locs_obj, nb::handle scratch_obj, std::optional<uint64_t> stream) {
+  const Arg q = arg(q_obj, "q"), kv = arg(kv_obj, "kv"), scales = arg(scales_obj, "kv_scales"),
+            w = arg(w_obj, "weights"), ks = arg(ks_obj, "ks"), ke = arg(ke_obj, "ke"),
+            out = arg(out_obj, "out", true), kv_locs = arg(kv_locs_obj, "kv_locs"),
+            scratch = arg(scratch_obj, "key scratch", true, true);
+  const DeviceRef dev = q.device;
+  check_same_device(dev, {&kv, &scales, &w, &ks, &ke, &out, &kv_locs, &scratch});
+  DeepGemmIndexer x(q, kv, scales, w, kv_locs, scratch);
+  DSAKIT_CHECK_ARG(k >= 1, "k: expected >= 1, got ", k);
+  check_tensor(ks.view, "ks", DType::kI32, dev.type, {x.s_q});
+  check_tensor(ke.view, "ke", DType::kI32, dev.type, {x.s_q});
+  check_tensor(out.view, "out", DType::kI32, dev.type, {x.s_q, k});
+  if (x.s_q == 0) return;
+  BackendSlot& slot = backend_for(dev);
+  nb::gil_scoped_release nogil;
+  Call call(slot, stream);
+  const Tensor starts = call.be.to_host(ks.view), ends = call.be.to_host(ke.view);
+  Tensor lengths = Tensor::host(DType::kI32, {x.s_q});
+  for (int64_t i = 0; i < x.s_q; ++i) {
+    const int32_t s = starts.ptr<int32_t>()[i], e = ends.ptr<int32_t>()[i];
+    DSAKIT_CHECK_ARG(0 <= s && s <= e && e <= x.s_kv, "ks[", i, "], ke[", i, "] = ", s, ", ", e,
+                     ": expected 0 <= ks <= ke <= ", x.s_kv, " (the keys of kv)");
+    lengths.ptr<int32_t>()[i] = e - s;
   }
-  call.be.indexer_logits(a, 0, s_q, logits.view);
+  if (x.s_kv == 0) {  // every range empty: all padding
+    call.be.fill_bytes(out.view, 0xFF);
+    return;
+  }
+  const Tensor ctx_len = call.be.to_device(lengths);
+  x.args.kv_start = ks.view;
+  x.args.ctx_len = ctx_len.view();
+  x.copy_keys(call.be);
+  call.be.indexer_topk(x.args, k, out.view);
 }
 
 void topk(nb::handle logits_obj, nb::handle lengths_obj, int k, nb::handle out_obj,
@@ -508,6 +570,9 @@ void bind_ops(nb::module_& m) {
   ops.def("mqa_logits", &mqa_logits, "q"_a.none(), "kv"_a.none(), "kv_scales"_a.none(),
           "weights"_a.none(), "ke"_a.none(), "logits"_a.none(), "kv_locs"_a.none(),
           "kv_start"_a.none(), "key_scratch"_a.none(), "stream"_a.none());
+  ops.def("mqa_topk", &mqa_topk, "q"_a.none(), "kv"_a.none(), "kv_scales"_a.none(),
+          "weights"_a.none(), "ks"_a.none(), "ke"_a.none(), "k"_a, "out"_a.none(),
+          "kv_locs"_a.none(), "key_scratch"_a.none(), "stream"_a.none());
   ops.def("topk", &topk, "logits"_a.none(), "lengths"_a.none(), "k"_a.none(), "out"_a.none(),
           "stream"_a.none());
   ops.def(

@@ -31,6 +31,49 @@ IndexerBlocks IndexerBlocks::plan(int64_t tokens, int64_t h_i, int64_t d_i, int6
   return b;
 }
 
+namespace {
+
+// The block loop both entry points share, after their validation: identity rows by top-k alone
+// when the whole kv range fits in k, else per IndexerBlocks block of rows its logits and top-k.
+// `quantize(r0, r1, block)` leaves rows [r0, r1)'s q8 and gate in block.q8 / block.gate.
+template <typename Quantize>
+void indexer_topk_blocks(Backend& be, const IndexerArgs& layout, const IndexerBlocks& blocks,
+                         int64_t tokens, int k, const TensorView& out, const Quantize& quantize) {
+  if (tokens == 0) return;
+
+  // Every index below was validated by the caller: the block ops skip their own value checks.
+  struct RestoreChecks {
+    Backend& be;
+    bool previous;
+    ~RestoreChecks() { be.set_index_value_checks(previous); }
+  } restore{be, be.set_index_value_checks(false)};
+
+  // ctx_len <= N_kv for every row, so when the whole kv range fits in k every row is the
+  // identity: top-k alone, no query quantization and no logits.
+  if (blocks.rows == 0) {
+    be.topk(make_view(nullptr, DType::kF32, be.device(), {tokens, 0}), layout.ctx_len, k, out);
+    return;
+  }
+
+  const Tensor logits = be.empty(DType::kF32, {blocks.rows, blocks.width});
+  IndexerLogitsOptions options;
+  options.skip_ctx_at_most = k;  // identity rows: top-k writes 0 … ctx-1 without logits
+  options.fill_masked = false;   // top-k reads only [0, ctx_len)
+  for (int64_t r0 = 0; r0 < tokens; r0 += blocks.rows) {
+    const int64_t r1 = std::min(tokens, r0 + blocks.rows), rows = r1 - r0;
+    // The block is a batch of its own: its row i is token r0 + i.
+    IndexerArgs block = layout;
+    block.kv_start = slice_rows(layout.kv_start, r0, r1);
+    block.ctx_len = slice_rows(layout.ctx_len, r0, r1);
+    const TensorView block_logits = slice_rows(logits, 0, rows);
+    quantize(r0, r1, block);
+    be.indexer_logits(block, 0, rows, block_logits, options);
+    be.topk(block_logits, block.ctx_len, k, slice_rows(out, r0, r1));
+  }
+}
+
+}  // namespace
+
 void Backend::indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
                            const IndexerArgs& layout, int k, const TensorView& out) {
   const HostIndexValues kv_locs = host_index_values(layout.kv_locs),
@@ -41,41 +84,34 @@ void Backend::indexer_topk(const TensorView& idx_q, const TensorView& idx_w,
   const int64_t tokens = idx_q.shape[0], h_i = idx_q.shape[1], d_i = idx_q.shape[2];
   const IndexerBlocks blocks =
       IndexerBlocks::plan(tokens, h_i, d_i, layout.kv_locs.numel(), k, indexer_block_bytes());
-  if (tokens == 0) return;
-
-  // Every index below was validated above: the block ops skip their own host value checks.
-  struct RestoreChecks {
-    Backend& be;
-    bool previous;
-    ~RestoreChecks() { be.set_index_value_checks(previous); }
-  } restore{*this, set_index_value_checks(false)};
-
-  // ctx_len <= N_kv for every row, so when the whole kv range fits in k every row is the
-  // identity: top-k alone, no query quantization and no logits.
-  if (blocks.rows == 0) {
-    topk(make_view(nullptr, DType::kF32, device(), {tokens, 0}), layout.ctx_len, k, out);
-    return;
+  Tensor q8, gate;  // one block's quantized queries
+  if (blocks.rows > 0) {
+    q8 = empty(DType::kU8, {blocks.rows, h_i, d_i});
+    gate = empty(DType::kF32, {blocks.rows, h_i});
   }
+  indexer_topk_blocks(*this, layout, blocks, tokens, k, out,
+                      [&](int64_t r0, int64_t r1, IndexerArgs& block) {
+                        block.q8 = slice_rows(q8, 0, r1 - r0);
+                        block.gate = slice_rows(gate, 0, r1 - r0);
+                        indexer_quantize_q(slice_rows(idx_q, r0, r1), slice_rows(idx_w, r0, r1),
+                                           block.q8, block.gate);
+                      });
+}
 
-  const Tensor q8 = empty(DType::kU8, {blocks.rows, h_i, d_i});
-  const Tensor gate = empty(DType::kF32, {blocks.rows, h_i});
-  const Tensor logits = empty(DType::kF32, {blocks.rows, blocks.width});
-  IndexerLogitsOptions options;
-  options.skip_ctx_at_most = k;  // identity rows: top-k writes 0 … ctx-1 without logits
-  options.fill_masked = false;   // top-k reads only [0, ctx_len)
-  for (int64_t r0 = 0; r0 < tokens; r0 += blocks.rows) {
-    const int64_t r1 = std::min(tokens, r0 + blocks.rows), rows = r1 - r0;
-    // The block is a batch of its own: its row i is token r0 + i.
-    IndexerArgs block = layout;
-    block.q8 = slice_rows(q8, 0, rows);
-    block.gate = slice_rows(gate, 0, rows);
-    block.kv_start = slice_rows(layout.kv_start, r0, r1);
-    block.ctx_len = slice_rows(layout.ctx_len, r0, r1);
-    const TensorView block_logits = slice_rows(logits, 0, rows);
-    indexer_quantize_q(slice_rows(idx_q, r0, r1), slice_rows(idx_w, r0, r1), block.q8, block.gate);
-    indexer_logits(block, 0, rows, block_logits, options);
-    topk(block_logits, block.ctx_len, k, slice_rows(out, r0, r1));
-  }
+void Backend::indexer_topk(const IndexerArgs& args, int k, const TensorView& out) {
+  const HostIndexValues kv_locs = host_index_values(args.kv_locs),
+                        kv_start = host_index_values(args.kv_start),
+                        ctx_len = host_index_values(args.ctx_len);
+  validate::indexer_topk(args, k, out, device(), kv_locs.data, kv_start.data, ctx_len.data);
+  const int64_t tokens = args.q8.shape[0];
+  // The plan's bytes count a block's q8 and gate, which are the caller's here: an upper bound.
+  const IndexerBlocks blocks = IndexerBlocks::plan(tokens, args.q8.shape[1], args.q8.shape[2],
+                                                   args.kv_locs.numel(), k, indexer_block_bytes());
+  indexer_topk_blocks(*this, args, blocks, tokens, k, out,
+                      [&](int64_t r0, int64_t r1, IndexerArgs& block) {
+                        block.q8 = slice_rows(args.q8, r0, r1);
+                        block.gate = slice_rows(args.gate, r0, r1);
+                      });
 }
 
 }  // namespace dsakit

@@ -173,6 +173,17 @@ int64_t indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const Ind
   return check_index_layout(layout, t, dev, host_kv_locs, host_kv_start, host_ctx_len);
 }
 
+int64_t indexer_topk(const IndexerArgs& args, int k, const TensorView& out, Device dev,
+                     const int32_t* host_kv_locs, const int32_t* host_kv_start,
+                     const int32_t* host_ctx_len) {
+  DSAKIT_CHECK_ARG(k >= 1, "indexer_topk k: expected >= 1, got ", k);
+  const int64_t max_ctx = indexer_args(args, dev, host_kv_locs, host_kv_start, host_ctx_len);
+  DSAKIT_CHECK_ARG(args.q8.shape[1] >= 1, "q8: expected at least one indexer head, got shape ",
+                   args.q8.shape_str());
+  check_tensor(out, "out", DType::kI32, dev, {args.q8.shape[0], k});
+  return max_ctx;
+}
+
 void topk(const TensorView& logits, const TensorView& ctx_len, int k, const TensorView& out,
           Device dev, const int32_t* host_ctx_len) {
   DSAKIT_CHECK_ARG(k >= 1, "topk k: expected >= 1, got ", k);

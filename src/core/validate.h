@@ -32,6 +32,11 @@ void indexer_logits_out(const IndexerArgs& a, int64_t row_begin, int64_t row_end
 int64_t indexer_topk(const TensorView& idx_q, const TensorView& idx_w, const IndexerArgs& layout,
                      int k, const TensorView& out, Device dev, const int32_t* host_kv_locs,
                      const int32_t* host_kv_start, const int32_t* host_ctx_len);
+// The same for queries already quantized: k >= 1, the args as in indexer_args (their q8 and gate
+// read), out i32 [T, k]. Returns max ctx_len.
+int64_t indexer_topk(const IndexerArgs& args, int k, const TensorView& out, Device dev,
+                     const int32_t* host_kv_locs, const int32_t* host_kv_start,
+                     const int32_t* host_ctx_len);
 // logits f32 [rows, width]: width >= ctx_len[t] for every row with ctx_len[t] > k (the rows
 // whose logits top-k reads).
 void topk(const TensorView& logits, const TensorView& ctx_len, int k, const TensorView& out,

@@ -655,6 +655,50 @@ TEST_P(IndexerTest, BadInputNamesTheArgumentAndWritesNothing) {
   EXPECT_EQ(testing::checksum(be().to_host(s.pool.storage())), pool_sum);
 }
 
+// indexer_topk from queries already quantized (the caller's q8 and gate, as DeepGEMM's e4m3 q and
+// weights come): the same positions as from the bf16 queries, whole and one row per block; a
+// bad q8 or out is named and nothing is written.
+TEST_P(IndexerTest, IndexerTopkFromQuantizedQueries) {
+  SCOPED_TRACE(trace());
+  const int k = 32;
+  const Scene s = make_scene(be(), rng(), 64, 128, 64, {{0, 45}, {100, 5}, {10, 3}, {31, 2}});
+  const int64_t t = s.num_tokens();
+  const Tensor q8 = be().empty(DType::kU8, {t, s.h_i, s.d_i});
+  const Tensor gate = be().empty(DType::kF32, {t, s.h_i});
+  be().indexer_quantize_q(be().to_device(s.idx_q), be().to_device(s.idx_w), q8, gate);
+  IndexerArgs args = s.layout();
+  args.q8 = q8.view();
+  args.gate = gate.view();
+  const Tensor want = poisoned(be(), DType::kI32, {t, k});
+  be().indexer_topk(be().to_device(s.idx_q), be().to_device(s.idx_w), s.layout(), k, want);
+  for (const char* limit : {"", "1"}) {
+    SCOPED_TRACE(std::string(kWorkspaceEnv) + "=" + limit);
+    if (*limit) ::setenv(kWorkspaceEnv, limit, 1);
+    const Tensor out = poisoned(be(), DType::kI32, {t, k});
+    be().indexer_topk(args, k, out);
+    ::unsetenv(kWorkspaceEnv);
+    EXPECT_EQ(i32_values(be(), out), i32_values(be(), want));
+  }
+  expect_indexer_topk_valid(be(), s, k, i32_values(be(), want));
+
+  const Tensor out = poisoned(be(), DType::kI32, {t, k});
+  IndexerArgs narrow = args;
+  narrow.q8.shape[2] -= 1;
+  try {
+    be().indexer_topk(narrow, k, out);
+    ADD_FAILURE() << "a q8 narrower than the pool's d_i was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q8"), std::string::npos) << e.what();
+  }
+  try {
+    be().indexer_topk(args, k + 1, out);
+    ADD_FAILURE() << "an out of k columns was taken for k + 1";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(all_bytes(be(), out, kSentinelByte));
+}
+
 // The indexer's scratch bound (docs/cuda.md, indexer_topk): a block of `rows` query rows holds
 // q8 [rows, H_i, d_i], gate [rows, H_i] and logits [rows, num_kv], so its bytes are
 // rows · (H_i·d_i + 4·H_i + 4·num_kv) <= max(block_bytes, one row), with as many rows as fit;

@@ -97,6 +97,27 @@ def test_fp8_mqa_logits():
     assert np.all(got[~mask] == -np.inf)
 
 
+def test_fp8_mqa_topk():
+    """On DeepGEMM's golden inputs: the same positions as topk over fp8_mqa_logits' [ks, ke)
+    columns on the GPU, and through torch.compile."""
+    g, _ = ref.peer("indexer_logits.safetensors")
+    args = (tt(g["q_fp8"]).view(torch.float8_e4m3fn),
+            (tt(g["k_fp8"]).view(torch.float8_e4m3fn), tt(g["k_scale"])), tt(g["weights"]),
+            tt(g["ks"]), tt(g["ke"]))
+    k = 32
+    logits = tn(dsakit.ops.fp8_mqa_logits(*args))
+    ks, ke = g["ks"].astype(np.int64), g["ke"].astype(np.int64)
+    local = np.full(logits.shape, -np.inf, F32)
+    for i in range(logits.shape[0]):
+        local[i, :ke[i] - ks[i]] = logits[i, ks[i]:ke[i]]
+    want = tn(dsakit.ops.topk(tt(local), k, tt((ke - ks).astype(np.int32))))
+    got = dsakit.ops.fp8_mqa_topk(*args, k)
+    assert got.is_cuda and got.dtype == torch.int32
+    assert np.array_equal(tn(got), want)
+    compiled = torch.compile(lambda *a: dsakit.ops.fp8_mqa_topk(*a, k), fullgraph=True)
+    assert np.array_equal(tn(compiled(*args)), want)
+
+
 def test_topk(rng):
     x = rng.standard_normal((9, 3000)).astype(F32)
     x[1] = 0.25

@@ -195,6 +195,13 @@ def test_zero_size_tensors_work_or_raise_cleanly(small):
                                        np.zeros(0, F32), np.ones((2, 1), F32),
                                        np.zeros(2, np.int32), np.zeros(2, np.int32))
     assert logits.shape == (2, 0)
+    top = dsakit.ops.fp8_mqa_topk(np.zeros((2, 1, 64), np.uint8), np.zeros((0, 64), np.uint8),
+                                  np.zeros(0, F32), np.ones((2, 1), F32), np.zeros(2, np.int32),
+                                  np.zeros(2, np.int32), 3)
+    assert top.tolist() == [[-1] * 3] * 2  # no keys: all padding
+    assert dsakit.ops.fp8_mqa_topk(np.zeros((0, 1, 64), np.uint8), np.zeros((4, 64), np.uint8),
+                                   np.ones(4, F32), np.ones((0, 1), F32), np.zeros(0, np.int32),
+                                   np.zeros(0, np.int32), 3).shape == (0, 3)
     before = small.pools()
     res = small.layer.forward(dsakit.Batch([40], [0], [[0, 1, 2]]), small.inputs(0))
     assert res.o.shape == (0, 16, 128) and small.pools() == before

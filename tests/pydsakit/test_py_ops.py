@@ -1,6 +1,8 @@
 """dsakit.ops on the CPU with NumPy arrays (and a bare DLPack producer): every op against the
 peers' golden files (tests/data/peers, the tolerances of tests/reference/test_peers.cc) and
 against an independent float64 reference (pydsakit_ref)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -199,6 +201,53 @@ def test_fp8_mqa_logits_key_ranges_against_reference(rng):
     assert np.all(got[0] == -np.inf)
     assert ref.rel_l2(got[mask], want[mask]) <= ref.TOL_F32 * 10
     assert np.all(got[~mask] == -np.inf)
+
+
+def test_fp8_mqa_topk_against_logits_and_reference(rng, monkeypatch):
+    """The fused indexer's top-k: the same positions as topk over fp8_mqa_logits' columns
+    [ks, ke) (its kernels, one block of rows or one row per block), and against the float64
+    logits no unselected key scoring above a selected one; identity and empty rows; bad ranges
+    refused before anything is written."""
+    s_q, s_kv, h, d, k = 24, 90, 8, 64, 6
+    q8 = ref.e4m3_bytes(rng.standard_normal((s_q, h, d)))
+    k8 = ref.e4m3_bytes(rng.standard_normal((s_kv, d)))
+    scales = rng.uniform(0.01, 1.0, s_kv).astype(F32)
+    w = rng.standard_normal((s_q, h)).astype(F32)
+    ks = rng.integers(0, 50, s_q).astype(np.int32)
+    ke = np.minimum(ks + rng.integers(k + 1, 40, s_q), s_kv).astype(np.int32)
+    ks[0], ke[0] = 5, 5      # an empty range
+    ks[1], ke[1] = 10, 13    # fewer keys than k: the identity
+    ks[2], ke[2] = 0, s_kv   # every key
+    logits = dsakit.ops.fp8_mqa_logits(q8, k8, scales, w, ks, ke)
+    lengths = (ke - ks).astype(np.int32)
+    local = np.full((s_q, s_kv), -np.inf, F32)
+    for i in range(s_q):
+        local[i, :lengths[i]] = logits[i, ks[i]:ke[i]]
+    want = dsakit.ops.topk(local, k, lengths)
+    for limit in (None, "1"):
+        if limit:
+            monkeypatch.setenv("DSAKIT_INDEXER_WORKSPACE_BYTES", limit)
+        got = dsakit.ops.fp8_mqa_topk(q8, (k8, scales), w, ks, ke, k)
+        assert got.dtype == np.int32 and got.shape == (s_q, k)
+        assert np.array_equal(got, want), limit
+    assert got[0].tolist() == [-1] * k and got[1].tolist() == [0, 1, 2, -1, -1, -1]
+    ref_logits, _ = ref.indexer_logits(q8, k8, scales, w, ks, ke)
+    for i in range(3, s_q):
+        row = ref_logits[i, ks[i]:ke[i]]
+        chosen = np.zeros(lengths[i], bool)
+        chosen[got[i]] = True
+        assert np.all(np.diff(got[i]) > 0)
+        assert row[chosen].min() >= row[~chosen].max() - 1e-4 * np.abs(row).max(), i
+
+    out = np.full((s_q, k), 7, np.int32)
+    bad = [((q8, k8, scales, w, ke, ks, k), "ks[1], ke[1]"),
+           ((q8, k8, scales, w, ks, np.full(s_q, s_kv + 1, np.int32), k), "ke <= 90"),
+           ((q8, k8, scales, w, ks, ke, 0), "k: expected >= 1"),
+           ((q8, k8, scales, w[:, :4], ks, ke, k), "weights")]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dsakit.ops.fp8_mqa_topk(*args, out=out)
+        assert np.all(out == 7)
 
 
 def test_ops_take_a_bare_dlpack_producer(indexer):
