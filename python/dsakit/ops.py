@@ -276,8 +276,9 @@ def fp8_mqa_topk(q, kv, *args, out=None, stream=None):
     selects 0 ... ke[i] - ks[i] - 1 without scoring. The same selection as
     topk(fp8_mqa_logits(...)[i, ks[i]:ke[i]], k) row by row, without the [s_q, s_kv] logits:
     they are computed a block of rows at a time within the indexer's workspace bound
-    (docs/cuda.md). ks / ke are read on the host (a synchronization on CUDA: not inside a CUDA
-    graph capture)."""
+    (docs/cuda.md). ks / ke are read on the host: CPU arrays are read in place (also for a CUDA
+    call), CUDA ones copied back (a synchronization); either way not inside a CUDA graph
+    capture."""
     if isinstance(kv, tuple):
         kv, kv_scales = kv
         weights, ks, ke, k = args

@@ -377,6 +377,7 @@ void mqa_logits(nb::handle q_obj, nb::handle kv_obj, nb::handle scales_obj, nb::
 // The indexer's top-k of DeepGEMM's inputs without the [s_q, s_kv] logits: row i scores keys
 // [ks[i], ke[i]) (kv_start = ks, ctx_len = ke - ks, made on the host after checking
 // 0 <= ks <= ke <= s_kv) and out [s_q, k] gets positions p within that range (column ks[i] + p).
+// ks / ke may live on the host for a CUDA call: read in place then, no device-to-host copy.
 void mqa_topk(nb::handle q_obj, nb::handle kv_obj, nb::handle scales_obj, nb::handle w_obj,
               nb::handle ks_obj, nb::handle ke_obj, int k, nb::handle out_obj,
               nb::handle kv_locs_obj, nb::handle scratch_obj, std::optional<uint64_t> stream) {
@@ -385,17 +386,24 @@ void mqa_topk(nb::handle q_obj, nb::handle kv_obj, nb::handle scales_obj, nb::ha
             out = arg(out_obj, "out", true), kv_locs = arg(kv_locs_obj, "kv_locs"),
             scratch = arg(scratch_obj, "key scratch", true, true);
   const DeviceRef dev = q.device;
-  check_same_device(dev, {&kv, &scales, &w, &ks, &ke, &out, &kv_locs, &scratch});
+  check_same_device(dev, {&kv, &scales, &w, &out, &kv_locs, &scratch});
   DeepGemmIndexer x(q, kv, scales, w, kv_locs, scratch);
   DSAKIT_CHECK_ARG(k >= 1, "k: expected >= 1, got ", k);
-  check_tensor(ks.view, "ks", DType::kI32, dev.type, {x.s_q});
-  check_tensor(ke.view, "ke", DType::kI32, dev.type, {x.s_q});
+  for (const Arg* a : {&ks, &ke}) {
+    DSAKIT_CHECK_ARG(a->device == dev || a->device.type == Device::kCpu, a->name,
+                     ": expected a tensor on ", dev.str(), " or the cpu, got one on ",
+                     a->device.str());
+    check_tensor(a->view, a->name, DType::kI32, a->device.type, {x.s_q});
+  }
   check_tensor(out.view, "out", DType::kI32, dev.type, {x.s_q, k});
   if (x.s_q == 0) return;
   BackendSlot& slot = backend_for(dev);
   nb::gil_scoped_release nogil;
   Call call(slot, stream);
-  const Tensor starts = call.be.to_host(ks.view), ends = call.be.to_host(ke.view);
+  const auto on_host = [&](const Arg& a) {
+    return a.device.type == Device::kCpu ? borrowed(a.view) : call.be.to_host(a.view);
+  };
+  const Tensor starts = on_host(ks), ends = on_host(ke);
   Tensor lengths = Tensor::host(DType::kI32, {x.s_q});
   for (int64_t i = 0; i < x.s_q; ++i) {
     const int32_t s = starts.ptr<int32_t>()[i], e = ends.ptr<int32_t>()[i];
@@ -408,9 +416,11 @@ void mqa_topk(nb::handle q_obj, nb::handle kv_obj, nb::handle scales_obj, nb::ha
     return;
   }
   const Tensor ctx_len = call.be.to_device(lengths);
-  x.args.kv_start = ks.view;
+  const Tensor kv_start = ks.device == dev ? borrowed(ks.view) : call.be.to_device(ks.view);
+  x.args.kv_start = kv_start.view();
   x.args.ctx_len = ctx_len.view();
   x.copy_keys(call.be);
+  NoValueChecks unchecked(call.be);  // the ranges were checked above, kv_locs is 0 … s_kv-1
   call.be.indexer_topk(x.args, k, out.view);
 }
 

@@ -248,6 +248,9 @@ def test_fp8_mqa_topk_against_logits_and_reference(rng, monkeypatch):
         with pytest.raises(ValueError, match=re.escape(message)):
             dsakit.ops.fp8_mqa_topk(*args, out=out)
         assert np.all(out == 7)
+    with pytest.raises(ValueError, match="ks: expected shape"):
+        dsakit.ops.fp8_mqa_topk(q8, k8, scales, w, ks[:5], ke, k, out=out)
+    assert np.all(out == 7)
 
 
 def test_ops_take_a_bare_dlpack_producer(indexer):
