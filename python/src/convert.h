@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,12 @@ void check_same_device(const DeviceRef& device, std::initializer_list<const Arg*
 // A dsakit tensor as a DLPack producer (dsakit._dsakit.Array: __dlpack__, __dlpack_device__,
 // shape, dtype), zero-copy; every capsule it hands out keeps the storage alive.
 nb::object export_tensor(const Tensor& t, const DeviceRef& device);
+
+// Memory the caller owns, seen as a dsakit Tensor without taking ownership (the Python object
+// that keeps it alive is held next to it, for the call or by the owner).
+inline Tensor borrowed(const TensorView& v) {
+  return Tensor(std::shared_ptr<void>(), v);
+}
 void bind_array(nb::module_& m);
 
 // Registers the exception types (dsakit.Error and its kinds) and the translator of dsakit::Error.

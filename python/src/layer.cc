@@ -22,12 +22,6 @@ namespace {
 
 using namespace nb::literals;
 
-// A device memory block the caller owns, seen as a dsakit Tensor without taking ownership (the
-// Python object that keeps it alive is held next to it).
-Tensor borrowed(const TensorView& v) {
-  return Tensor(std::shared_ptr<void>(), v);
-}
-
 // Host int32 values of a Python sequence or a 1-D int32 CPU array (the batch is built on the
 // host: a device tensor is refused rather than copied behind the caller's back).
 std::vector<int32_t> int_values(nb::handle obj, const char* name) {

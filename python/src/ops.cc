@@ -23,10 +23,6 @@ using namespace nb::literals;
 
 constexpr int64_t kDc = 512, kDrope = 64, kDqk = kDc + kDrope;  // FlashMLA's 576 / 512 rows
 
-Tensor borrowed(const TensorView& v) {
-  return Tensor(std::shared_ptr<void>(), v);
-}
-
 // Columns [begin, end) of the last dim (same strides).
 TensorView columns(const TensorView& v, int64_t begin, int64_t end) {
   TensorView c = v;
