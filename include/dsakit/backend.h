@@ -22,6 +22,7 @@ struct Capabilities {
   int sm_arch = 0;                // 90 for sm_90; 0 on the CPU
   bool dense_mha = false;         // a dense MHA path exists for this device
   bool dense_kv_visible = false;  // dense_mha honours DenseMhaArgs::kv_visible (DCP)
+  bool dense_kv_mask = false;     // dense_mha honours DenseMhaArgs::kv_mask
   // up_proj_kv and dense_mha also take k_nope / v as the two halves of one [N, H, d_nope + d_v]
   // buffer (kv_halves()): the up-projection is then one GEMM instead of two.
   bool kv_halves = false;
@@ -118,6 +119,11 @@ struct DenseMhaArgs {
   // default. kv_visible_host is its host copy (required when kv_visible is set).
   TensorView kv_visible;
   const int32_t* kv_visible_host = nullptr;
+  // Optional i32 [T, W], bits: query t sees kv row p (< its visible count) of its request only
+  // where bit p % 32 of word p / 32 of row t is set; W · 32 >= every request's kv length. The
+  // sparse path's selection as dense attention (a top-k as a mask). Backends with
+  // Capabilities::dense_kv_mask; the others refuse it (Error(kUnsupported)).
+  TensorView kv_mask;
   // Host copies of cu_q / cu_kv (always host memory), for scheduling without a device read.
   const int32_t* cu_q_host = nullptr;
   const int32_t* cu_kv_host = nullptr;

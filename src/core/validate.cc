@@ -304,6 +304,15 @@ void dense_mha(const DenseMhaArgs& a, Device dev, bool kv_halves_ok) {
     check_tensor(a.kv_visible, "kv_visible", DType::kI32, dev, {t});
     DSAKIT_CHECK_ARG(a.kv_visible_host != nullptr, "dense_mha: kv_visible needs its host copy");
   }
+  if (a.kv_mask.ndim != 0) {
+    check_tensor(a.kv_mask, "kv_mask", DType::kI32, dev, {t, -1});
+    int64_t longest = 0;
+    for (int64_t r = 0; r < b; ++r)
+      longest = std::max<int64_t>(longest, a.cu_kv_host[r + 1] - a.cu_kv_host[r]);
+    DSAKIT_CHECK_ARG(a.kv_mask.shape[1] * 32 >= longest, "kv_mask: ", a.kv_mask.shape[1],
+                     " words a row cover ", a.kv_mask.shape[1] * 32,
+                     " kv rows, fewer than the longest request's ", longest);
+  }
   for (int64_t r = 0; r < b; ++r) {
     const int64_t q0 = a.cu_q_host[r], e = a.cu_q_host[r + 1] - q0;
     const int64_t l = a.cu_kv_host[r + 1] - a.cu_kv_host[r];

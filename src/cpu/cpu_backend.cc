@@ -31,6 +31,7 @@ class CpuBackend final : public Backend {
     caps_.dense_mha = true;
     caps_.fp8_up_proj = true;
     caps_.dense_kv_visible = true;
+    caps_.dense_kv_mask = true;
     caps_.intermediate_dtype = DType::kF32;
   }
 

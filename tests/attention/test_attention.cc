@@ -678,8 +678,8 @@ struct DenseOutputs {
 };
 
 DenseOutputs run_dense(Backend& b, const DenseBatch& batch, const DenseInputs& in, int d_v,
-                       double sm_scale, DType out,
-                       const std::vector<int32_t>* kv_visible = nullptr) {
+                       double sm_scale, DType out, const std::vector<int32_t>* kv_visible = nullptr,
+                       const Tensor* kv_mask = nullptr) {
   const int64_t heads = in.q_nope.size(1);
   const Tensor q_nope = b.to_device(in.q_nope), q_pe = b.to_device(in.q_pe);
   const Tensor k_nope = b.to_device(in.k_nope), k_pe = b.to_device(in.k_pe);
@@ -702,6 +702,11 @@ DenseOutputs run_dense(Backend& b, const DenseBatch& batch, const DenseInputs& i
     visible = b.to_device(host_i32(*kv_visible));
     a.kv_visible = visible;
     a.kv_visible_host = kv_visible->data();
+  }
+  Tensor mask;
+  if (kv_mask) {
+    mask = b.to_device(*kv_mask);
+    a.kv_mask = mask;
   }
   a.num_requests = batch.requests();
   a.sm_scale = sm_scale;
@@ -836,14 +841,56 @@ TEST(DenseMha, NanStaysWhereItIsVisible) {
   });
 }
 
+// kv_mask: a kv row masked out of every query never reaches an output (NaN in its k and v changes
+// no bit), a query whose mask keeps nothing gets o = 0 and lse = +inf, and a mask too narrow
+// for the longest request is refused naming kv_mask.
+TEST(DenseMha, MaskedRowsNeverEnter) {
+  const HeadDims d = kAllDims[1];
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Rng rng(seed);
+  const DenseBatch batch({{30, 12}, {0, 9}});
+  const int64_t width = d.heads * d.d_v, tokens = batch.tokens();
+  Tensor mask = Tensor::host(DType::kI32, {tokens, 2});
+  for (int64_t i = 0; i < mask.numel(); ++i) mask.ptr<int32_t>()[i] = int32_t(rng.gen()() | 1u);
+  const int64_t poisoned_row = 20;  // request 0's position 20: bit 20 cleared for every query
+  for (int64_t t = 0; t < batch.cu_q[1]; ++t) mask.ptr<int32_t>()[t * 2] &= ~(1 << 20);
+  const int64_t empty_query = 3;  // keeps nothing
+  mask.ptr<int32_t>()[empty_query * 2] = mask.ptr<int32_t>()[empty_query * 2 + 1] = 0;
+  for_each_backend([&](Backend& b) {
+    if (!b.capabilities().dense_kv_mask) return;  // refusal: PathEquivalenceTest
+    DenseInputs in = random_dense_inputs(rng, d, batch, DType::kF32);
+    const DenseOutputs clean = run_dense(b, batch, in, d.d_v, 0.08, DType::kF32, nullptr, &mask);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::fill_n(in.k_nope.ptr<float>() + poisoned_row * d.heads * d.d_nope, d.heads * d.d_nope,
+                nan);
+    std::fill_n(in.v.ptr<float>() + poisoned_row * width, width, nan);
+    const DenseOutputs dirty = run_dense(b, batch, in, d.d_v, 0.08, DType::kF32, nullptr, &mask);
+    for (int64_t t = 0; t < tokens; ++t) {
+      EXPECT_TRUE(rows_bitwise_equal(dirty.o, clean.o, t, width)) << "token " << t;
+      EXPECT_TRUE(rows_bitwise_equal(dirty.lse, clean.lse, t, d.heads)) << "token " << t;
+    }
+    for (int64_t i = 0; i < width; ++i) ASSERT_EQ(clean.o[size_t(empty_query * width + i)], 0.0);
+    for (int64_t h = 0; h < d.heads; ++h)
+      ASSERT_EQ(clean.lse[size_t(empty_query * d.heads + h)], kInf);
+    const Tensor narrow = Tensor::host(DType::kI32, {tokens, 1});  // 32 < 42 rows
+    expect_error_naming(
+        [&] { run_dense(b, batch, in, d.d_v, 0.08, DType::kF32, nullptr, &narrow); }, "kv_mask");
+  });
+}
+
 // ---- both paths agree when top-k keeps every position (docs/design.md#equivalence) ----------
 
 class PathEquivalenceTest : public ::testing::TestWithParam<HeadDims> {};
 
-TEST_P(PathEquivalenceTest, SparseOverAllPositionsEqualsDense) {
-  const HeadDims d = GetParam();
+// Sparse MLA (absorb -> sparse_mla over the selected locations -> up_proj_v) against dense MHA
+// (up_proj_kv over all rows -> dense_mha) on the same latent rows: each token keeps `select`
+// random positions of those it sees (all of them when it sees fewer). With `masked`, dense_mha
+// takes the selection as kv_mask; without, every token must keep every position it sees.
+void expect_sparse_equals_dense(const HeadDims& d, int select, bool masked) {
   const uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", select " + std::to_string(select) +
+               (masked ? ", masked" : ""));
   Rng rng(seed);
   const std::vector<std::pair<int32_t, int32_t>> requests = {{0, 7}, {12, 5}, {66, 2}};
   const DenseBatch batch(requests);
@@ -855,7 +902,24 @@ TEST_P(PathEquivalenceTest, SparseOverAllPositionsEqualsDense) {
   const Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {tokens, d.heads, kDrope});
   const Tensor c_kv = testing::random_tensor(rng, DType::kBF16, {rows, kDc});  // batch order
   const Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {rows, kDrope});
-  const int k = 80;  // >= every L_r: top-k keeps every visible position
+  const int k = select;
+
+  // Per token the positions it keeps, and that selection as mask bits [T, W] (W = 3: 96 rows).
+  std::vector<std::vector<int32_t>> kept(static_cast<size_t>(tokens));
+  Tensor mask = Tensor::host(DType::kI32, {tokens, 3});
+  std::fill_n(mask.ptr<int32_t>(), mask.numel(), 0);
+  for (int r = 0; r < batch.requests(); ++r)
+    for (int32_t t = batch.cu_q[r]; t < batch.cu_q[r + 1]; ++t) {
+      const int32_t visible = requests[size_t(r)].first + (t - batch.cu_q[r]) + 1;
+      std::vector<int32_t> all(static_cast<size_t>(visible));
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng.gen());
+      all.resize(size_t(std::min(visible, select)));
+      ASSERT_TRUE(masked || int32_t(all.size()) == visible) << "unmasked needs every position";
+      for (int32_t p : all)
+        reinterpret_cast<uint32_t*>(mask.ptr<int32_t>())[t * 3 + p / 32] |= 1u << (p % 32);
+      kept[size_t(t)] = std::move(all);
+    }
 
   for_each_backend([&](Backend& b) {
     for (const int page_size : {1, 64}) {
@@ -876,14 +940,13 @@ TEST_P(PathEquivalenceTest, SparseOverAllPositionsEqualsDense) {
       }
       b.store_kv(pool, b.to_device(host_i32(kv_locs)), b.to_device(c_kv), b.to_device(k_pe));
 
-      // Sparse: absorb -> sparse_mla over every visible location (shuffled, -1 padded) ->
-      // up_proj_v.
+      // Sparse: absorb -> sparse_mla over the kept locations (shuffled, -1 padded) -> up_proj_v.
       std::vector<int32_t> indices(size_t(tokens * k), -1);
       for (int r = 0; r < batch.requests(); ++r)
         for (int32_t t = batch.cu_q[r]; t < batch.cu_q[r + 1]; ++t) {
-          const int32_t visible = requests[size_t(r)].first + (t - batch.cu_q[r]) + 1;
           auto slots = indices.begin() + int64_t(t) * k;
-          std::copy_n(kv_locs.begin() + batch.cu_kv[r], visible, slots);
+          for (size_t i = 0; i < kept[size_t(t)].size(); ++i)
+            slots[int64_t(i)] = kv_locs[size_t(batch.cu_kv[r] + kept[size_t(t)][i])];
           std::shuffle(slots, slots + k, rng.gen());
         }
       const Tensor w_dev = b.to_device(w);
@@ -896,17 +959,33 @@ TEST_P(PathEquivalenceTest, SparseOverAllPositionsEqualsDense) {
       const Tensor o_sparse = poisoned(b, DType::kF32, {tokens, d.heads, d.d_v});
       b.up_proj_v(b.to_device(o_lat), w_dev, d.d_nope, o_sparse);
 
-      // Dense: up_proj_kv over all rows -> dense_mha.
+      // Dense: up_proj_kv over all rows -> dense_mha (with the selection as its mask).
       const Tensor k_nope = poisoned(b, DType::kF32, {rows, d.heads, d.d_nope});
       const Tensor v = poisoned(b, DType::kF32, {rows, d.heads, d.d_v});
       b.up_proj_kv(b.to_device(c_kv), w_dev, k_nope, v);
       const DenseInputs in{q_nope, q_pe, b.to_host(k_nope), k_pe, b.to_host(v)};
-      const DenseOutputs dense = run_dense(b, batch, in, d.d_v, sm_scale, DType::kF32);
-
+      if (masked && !b.capabilities().dense_kv_mask) {
+        expect_error_naming(
+            [&] { run_dense(b, batch, in, d.d_v, sm_scale, DType::kF32, nullptr, &mask); },
+            "kv_mask", ErrorKind::kUnsupported);
+        continue;
+      }
+      const DenseOutputs dense =
+          run_dense(b, batch, in, d.d_v, sm_scale, DType::kF32, nullptr, masked ? &mask : nullptr);
       expect_rel_l2(read(b, o_sparse), dense.o, testing::kTolF32, "sparse vs dense o");
       expect_lse(lat.lse, dense.lse, "sparse vs dense lse");
     }
   });
+}
+
+TEST_P(PathEquivalenceTest, SparseOverAllPositionsEqualsDense) {
+  expect_sparse_equals_dense(GetParam(), /*select=*/80, /*masked=*/false);  // 80 >= every L_r
+  expect_sparse_equals_dense(GetParam(), /*select=*/80, /*masked=*/true);   // a mask of all bits
+}
+
+// The sparse path's function as dense MHA: a top-k of 9 positions per token as kv_mask.
+TEST_P(PathEquivalenceTest, SparseOverSelectedPositionsEqualsMaskedDense) {
+  expect_sparse_equals_dense(GetParam(), /*select=*/9, /*masked=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, PathEquivalenceTest, ::testing::ValuesIn(kAllDims),

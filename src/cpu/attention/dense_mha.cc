@@ -1,14 +1,16 @@
 // Dense causal MHA with a cached prefix on the CPU (docs/design.md#dense-mha), flash-style in fp32.
 //
 // Query t = cu_q[r] + i of request r sees the first n_t kv rows of its request (rows
-// cu_kv[r] …): n_t = kv_visible[t] when given, else L_r - E_r + i + 1. q = [q_nope, q_pe] and
-// k = [k_nope[h], k_pe] (k_pe shared by all heads) are never concatenated: the logits are two
-// sgemms reading q and k in place with their head strides.
+// cu_kv[r] …): n_t = kv_visible[t] when given, else L_r - E_r + i + 1; with kv_mask, only those
+// of them whose bit is set in row t (their logits become -inf before the softmax). q = [q_nope,
+// q_pe] and k = [k_nope[h], k_pe] (k_pe shared by all heads) are never concatenated: the logits are
+// two sgemms reading q and k in place with their head strides.
 //
 // One OpenMP task per (request, head, tile of kQueryTile queries). Per kv tile of kKvTile rows:
 //   S = sm_scale · (q_nope·k_nope^T + q_pe·k_pe^T)          [rows, cols]
 //   per row, over its visible columns only: running max m, running sum l, O *= exp(m_old - m)
-//   O += P · V: one sgemm over the columns every row sees, an sgemv per row for its tail
+//   O += P · V: one sgemm over the columns every row sees, an sgemv per row for its tail (with
+//   kv_mask, an axpy per kept column instead)
 // so neither S nor V of a row a query cannot see ever enters its output (NaN stays put).
 // Finally o = O / l and lse = m + log(l); a query with no visible row gets o = 0, lse = +inf.
 #include <algorithm>
@@ -44,7 +46,14 @@ struct DenseProblem {
   const int32_t* cu_q;
   const int32_t* cu_kv;
   const int32_t* visible;  // [T] kv rows each query sees, within its request
+  const uint32_t* mask;    // [T, mask_words] or nullptr: bit p of row t = kv row p is seen
+  int64_t mask_words;
 };
+
+// Whether a kv_mask row (bits) keeps key `key` of its request.
+inline bool keeps(const uint32_t* bits, int64_t key) {
+  return (bits[key / 32] >> (key % 32)) & 1u;
+}
 
 struct DenseWorkspace {
   std::unique_ptr<float[]> s;    // [kQueryTile, kKvTile] logits, then probabilities
@@ -86,6 +95,20 @@ void attend_tile(const DenseProblem& pb, const DenseTask& task, DenseWorkspace& 
       shared_cols = std::min(shared_cols, seen);
       if (seen == 0) continue;
       float* p = s + i * kKvTile;
+      if (pb.mask) {
+        const uint32_t* bits = pb.mask + (t0 + i) * pb.mask_words;
+        int64_t kept = 0;
+        for (int64_t j = 0; j < seen; ++j) {
+          if (keeps(bits, j0 + j))
+            ++kept;
+          else
+            p[j] = -kInf;
+        }
+        if (kept == 0) {  // the row sees none of this tile: zero probabilities, state unchanged
+          std::fill_n(p, seen, 0.0f);
+          continue;
+        }
+      }
       float tile_max = -kInf;
       for (int64_t j = 0; j < seen; ++j) tile_max = std::max(tile_max, p[j]);
       const float new_max = std::max(ws.max[i], tile_max);
@@ -98,6 +121,17 @@ void attend_tile(const DenseProblem& pb, const DenseTask& task, DenseWorkspace& 
         for (int64_t d = 0; d < pb.d_v; ++d) acc[i * pb.d_v + d] *= rescale;
     }
     const float* v_tile = pb.v + row0 * ldv + h * pb.d_v;
+    if (pb.mask) {
+      // P · V over the columns each row keeps only: a masked kv row, NaN or not, never enters.
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t seen = std::clamp<int64_t>(visible[i] - j0, 0, cols);
+        const uint32_t* bits = pb.mask + (t0 + i) * pb.mask_words;
+        for (int64_t j = 0; j < seen; ++j)
+          if (keeps(bits, j0 + j))
+            cblas_saxpy(int(pb.d_v), s[i * kKvTile + j], v_tile + j * ldv, 1, acc + i * pb.d_v, 1);
+      }
+      continue;
+    }
     sgemm(/*trans_b=*/false, rows, pb.d_v, shared_cols, 1.0f, s, kKvTile, v_tile, ldv, 1.0f, acc,
           pb.d_v);
     for (int64_t i = 0; i < rows; ++i) {
@@ -153,19 +187,22 @@ void dense_mha(const CpuContext& ctx, const DenseMhaArgs& args) {
   const F32Operand q_nope(args.q_nope, ctx.threads), q_pe(args.q_pe, ctx.threads);
   const F32Operand k_nope(args.k_nope, ctx.threads), k_pe(args.k_pe, ctx.threads);
   const F32Operand v(args.v, ctx.threads);
-  const DenseProblem pb{.heads = heads,
-                        .d_nope = args.q_nope.shape[2],
-                        .d_rope = args.q_pe.shape[2],
-                        .d_v = args.v.shape[2],
-                        .sm_scale = float(args.sm_scale),
-                        .q_nope = q_nope.data(),
-                        .q_pe = q_pe.data(),
-                        .k_nope = k_nope.data(),
-                        .k_pe = k_pe.data(),
-                        .v = v.data(),
-                        .cu_q = args.cu_q_host,
-                        .cu_kv = args.cu_kv_host,
-                        .visible = visible.data()};
+  const DenseProblem pb{
+      .heads = heads,
+      .d_nope = args.q_nope.shape[2],
+      .d_rope = args.q_pe.shape[2],
+      .d_v = args.v.shape[2],
+      .sm_scale = float(args.sm_scale),
+      .q_nope = q_nope.data(),
+      .q_pe = q_pe.data(),
+      .k_nope = k_nope.data(),
+      .k_pe = k_pe.data(),
+      .v = v.data(),
+      .cu_q = args.cu_q_host,
+      .cu_kv = args.cu_kv_host,
+      .visible = visible.data(),
+      .mask = args.kv_mask.ndim != 0 ? args.kv_mask.ptr<const uint32_t>() : nullptr,
+      .mask_words = args.kv_mask.ndim != 0 ? args.kv_mask.shape[1] : 0};
   float* lse = args.lse.ptr<float>();
   ScopedBlasThreads blas_threads(1);
 

@@ -170,6 +170,8 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   DSAKIT_CHECK(a.kv_visible.ndim == 0, kUnsupported, kOp,
                ": per-query visible counts (kv_visible, used by the DCP simulation) are not "
                "supported by the CUDA kernel; supported: the causal default");
+  DSAKIT_CHECK(a.kv_mask.ndim == 0, kUnsupported, kOp,
+               ": a per-(query, key) mask (kv_mask) is not supported by the CUDA kernels yet");
   DSAKIT_CHECK(num_kv <= INT32_MAX, kUnsupported, kOp, ": ", num_kv,
                " kv rows; the CUDA kernel supports up to 2^31 - 1");
 
