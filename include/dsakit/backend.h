@@ -306,6 +306,11 @@ class Backend {
   virtual void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
                                       const TensorView& kv_start, const TensorView& ctx_len,
                                       const TensorView& out);
+  // Top-k positions -> DenseMhaArgs::kv_mask: mask i32 [T, W] gets bit p of row t set exactly
+  // for the positions p >= 0 in positions[t, :] (i32 [T, k]; -1 padding skipped; every p <
+  // W · 32, checked before anything is written). The base implementation builds the bits on the
+  // host (a round trip through host memory on a device backend).
+  virtual void topk_to_kv_mask(const TensorView& positions, const TensorView& mask);
 };
 
 // What the CUDA backend offers on a device of compute capability `sm_arch` (90 = sm_90): the

@@ -136,4 +136,21 @@ void Backend::positions_to_locations(const TensorView&, const TensorView&, const
               " backend");
 }
 
+void Backend::topk_to_kv_mask(const TensorView& positions, const TensorView& mask) {
+  check_tensor(positions, "positions", DType::kI32, device(), {-1, -1});
+  const int64_t t = positions.shape[0], k = positions.shape[1];
+  check_tensor(mask, "kv_mask", DType::kI32, device(), {t, -1});
+  const int64_t words = mask.shape[1];
+  const Tensor pos = to_host(positions);
+  std::vector<uint32_t> bits(size_t(t * words), 0u);
+  for (int64_t i = 0; i < t * k; ++i) {
+    const int32_t p = pos.ptr<const int32_t>()[i];
+    if (p < 0) continue;
+    DSAKIT_CHECK_ARG(p < words * 32, "positions[", i / k, ", ", i % k, "] = ", p, ": beyond the ",
+                     words * 32, " positions kv_mask's ", words, " words a row cover");
+    bits[size_t((i / k) * words + p / 32)] |= 1u << (p % 32);
+  }
+  copy(mask, make_view(bits.data(), DType::kI32, Device::kCpu, {t, words}));
+}
+
 }  // namespace dsakit

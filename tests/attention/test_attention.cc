@@ -879,6 +879,38 @@ TEST(DenseMha, MaskedRowsNeverEnter) {
   });
 }
 
+// topk_to_kv_mask: bit p of row t set exactly for the positions in row t (-1 padding and
+// repeats included in the input); a position beyond the mask's words is refused, naming it, and
+// the mask keeps its bytes.
+TEST(DenseMha, TopkAsAKvMask) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Rng rng(seed);
+  const int64_t tokens = 7, k = 12, words = 3;
+  std::vector<int32_t> positions(size_t(tokens * k));
+  for (auto& p : positions) p = rng.randint(0, 9) == 0 ? -1 : int32_t(rng.randint(0, 95));
+  positions[5] = positions[4];  // a repeat
+  std::vector<uint32_t> want(size_t(tokens * words), 0u);
+  for (int64_t i = 0; i < tokens * k; ++i)
+    if (positions[size_t(i)] >= 0)
+      want[size_t((i / k) * words + positions[size_t(i)] / 32)] |= 1u
+                                                                   << (positions[size_t(i)] % 32);
+  for_each_backend([&](Backend& b) {
+    const Tensor mask = poisoned(b, DType::kI32, {tokens, words});
+    b.topk_to_kv_mask(b.to_device(host_i32_2d(positions, tokens, k)), mask);
+    const Tensor got = b.to_host(mask);
+    for (int64_t i = 0; i < tokens * words; ++i)
+      ASSERT_EQ(uint32_t(got.ptr<int32_t>()[i]), want[size_t(i)]) << "word " << i;
+    std::vector<int32_t> far = positions;
+    far[size_t(2 * k + 3)] = 96;  // 3 words cover positions < 96
+    const Tensor kept = poisoned(b, DType::kI32, {tokens, words});
+    const uint64_t before = testing::checksum(b.to_host(kept));
+    expect_error_naming([&] { b.topk_to_kv_mask(b.to_device(host_i32_2d(far, tokens, k)), kept); },
+                        "positions[2, 3]");
+    EXPECT_EQ(testing::checksum(b.to_host(kept)), before);
+  });
+}
+
 // ---- both paths agree when top-k keeps every position (docs/design.md#equivalence) ----------
 
 class PathEquivalenceTest : public ::testing::TestWithParam<HeadDims> {};
