@@ -304,18 +304,13 @@ void dense_mha(const DenseMhaArgs& a, Device dev, bool kv_halves_ok) {
     check_tensor(a.kv_visible, "kv_visible", DType::kI32, dev, {t});
     DSAKIT_CHECK_ARG(a.kv_visible_host != nullptr, "dense_mha: kv_visible needs its host copy");
   }
-  if (a.kv_mask.ndim != 0) {
-    check_tensor(a.kv_mask, "kv_mask", DType::kI32, dev, {t, -1});
-    int64_t longest = 0;
-    for (int64_t r = 0; r < b; ++r)
-      longest = std::max<int64_t>(longest, a.cu_kv_host[r + 1] - a.cu_kv_host[r]);
-    DSAKIT_CHECK_ARG(a.kv_mask.shape[1] * 32 >= longest, "kv_mask: ", a.kv_mask.shape[1],
-                     " words a row cover ", a.kv_mask.shape[1] * 32,
-                     " kv rows, fewer than the longest request's ", longest);
-  }
+  const bool masked = a.kv_mask.ndim != 0;
+  if (masked) check_tensor(a.kv_mask, "kv_mask", DType::kI32, dev, {t, -1});
+  int64_t longest = 0;  // kv rows of the longest request
   for (int64_t r = 0; r < b; ++r) {
     const int64_t q0 = a.cu_q_host[r], e = a.cu_q_host[r + 1] - q0;
     const int64_t l = a.cu_kv_host[r + 1] - a.cu_kv_host[r];
+    longest = std::max(longest, l);
     DSAKIT_CHECK_ARG(e >= 0 && l >= 0 && (custom || l >= e), "request ", r,
                      ": expected 0 <= extend (", e, ") <= kv length (", l, ")");
     DSAKIT_CHECK_ARG(a.cu_q_host[r + 1] <= t, "cu_q[", r + 1, "] = ", a.cu_q_host[r + 1],
@@ -327,6 +322,9 @@ void dense_mha(const DenseMhaArgs& a, Device dev, bool kv_halves_ok) {
                        ": expected non-decreasing within request ", r, " and in [0, ", l, "]");
     }
   }
+  DSAKIT_CHECK_ARG(!masked || a.kv_mask.shape[1] * 32 >= longest, "kv_mask: ", a.kv_mask.shape[1],
+                   " words a row cover ", a.kv_mask.shape[1] * 32,
+                   " kv rows, fewer than the longest request's ", longest);
   DSAKIT_CHECK_ARG(a.cu_q_host[b] == t, "cu_q[", b, "] = ", a.cu_q_host[b],
                    ": expected the number of query tokens ", t);
   DSAKIT_CHECK_ARG(a.cu_kv_host[b] == n, "cu_kv[", b, "] = ", a.cu_kv_host[b],
