@@ -1010,43 +1010,48 @@ TEST_F(CudaBackendTest, TimedUpProjectionKeepsCublasBits) {
 
 TEST_F(CudaBackendTest, MergePartialsMatchesFloat64) {
   SCOPED_TRACE(trace());
-  const int64_t parts = 3, t = 5, h = 4, d = 64;
-  Tensor o_parts = testing::random_tensor(rng(), DType::kF32, {parts, t, h, d});
-  Tensor lse_parts = testing::random_tensor(rng(), DType::kF32, {parts, t, h}, 3.f);
-  lse_parts.ptr<float>()[0 * t * h + 1] = kInf;  // part 0 of row 1 saw no key
-  for (int64_t w = 0; w < parts; ++w) lse_parts.ptr<float>()[w * t * h + 2] = kInf;  // row 2: none
-  const Tensor o = poisoned(DType::kF32, {t, h, d}), lse = poisoned(DType::kF32, {t, h});
-  gpu_->merge_partials(gpu_->to_device(o_parts), gpu_->to_device(lse_parts), o, lse);
-  std::vector<double> o_ref(size_t(t * h * d), 0.0), lse_ref(size_t(t * h));
-  for (int64_t r = 0; r < t * h; ++r) {
-    double m = -kInf;
-    for (int64_t w = 0; w < parts; ++w) {
-      const double l = lse_parts.ptr<float>()[w * t * h + r];
-      if (!std::isinf(l)) m = std::max(m, l);
+  const int64_t parts = 3, t = 5, h = 4;  // 20 rows: the last CTA's warps past them idle
+  // d = 64: every row 16-byte aligned, four values a lane by vector loads; d = 37: one at a time.
+  for (const int64_t d : {int64_t(64), int64_t(37)}) {
+    SCOPED_TRACE("d = " + std::to_string(d));
+    Tensor o_parts = testing::random_tensor(rng(), DType::kF32, {parts, t, h, d});
+    Tensor lse_parts = testing::random_tensor(rng(), DType::kF32, {parts, t, h}, 3.f);
+    lse_parts.ptr<float>()[0 * t * h + 1] = kInf;  // part 0 of row 1 saw no key
+    for (int64_t w = 0; w < parts; ++w)
+      lse_parts.ptr<float>()[w * t * h + 2] = kInf;  // row 2: none
+    const Tensor o = poisoned(DType::kF32, {t, h, d}), lse = poisoned(DType::kF32, {t, h});
+    gpu_->merge_partials(gpu_->to_device(o_parts), gpu_->to_device(lse_parts), o, lse);
+    std::vector<double> o_ref(size_t(t * h * d), 0.0), lse_ref(size_t(t * h));
+    for (int64_t r = 0; r < t * h; ++r) {
+      double m = -kInf;
+      for (int64_t w = 0; w < parts; ++w) {
+        const double l = lse_parts.ptr<float>()[w * t * h + r];
+        if (!std::isinf(l)) m = std::max(m, l);
+      }
+      if (std::isinf(m)) {
+        lse_ref[size_t(r)] = kInf;
+        continue;
+      }
+      double sum = 0;
+      for (int64_t w = 0; w < parts; ++w) {
+        const double l = lse_parts.ptr<float>()[w * t * h + r];
+        if (!std::isinf(l)) sum += std::exp(l - m);
+      }
+      lse_ref[size_t(r)] = m + std::log(sum);
+      for (int64_t w = 0; w < parts; ++w) {
+        const double l = lse_parts.ptr<float>()[w * t * h + r];
+        if (std::isinf(l)) continue;
+        for (int64_t e = 0; e < d; ++e)
+          o_ref[size_t(r * d + e)] +=
+              std::exp(l - lse_ref[size_t(r)]) * o_parts.ptr<float>()[(w * t * h + r) * d + e];
+      }
     }
-    if (std::isinf(m)) {
-      lse_ref[size_t(r)] = kInf;
-      continue;
-    }
-    double sum = 0;
-    for (int64_t w = 0; w < parts; ++w) {
-      const double l = lse_parts.ptr<float>()[w * t * h + r];
-      if (!std::isinf(l)) sum += std::exp(l - m);
-    }
-    lse_ref[size_t(r)] = m + std::log(sum);
-    for (int64_t w = 0; w < parts; ++w) {
-      const double l = lse_parts.ptr<float>()[w * t * h + r];
-      if (std::isinf(l)) continue;
-      for (int64_t e = 0; e < d; ++e)
-        o_ref[size_t(r * d + e)] +=
-            std::exp(l - lse_ref[size_t(r)]) * o_parts.ptr<float>()[(w * t * h + r) * d + e];
-    }
+    const std::vector<double> o_got = testing::to_double(gpu_->to_host(o));
+    EXPECT_LE(testing::rel_l2(o_got, o_ref), testing::kTolF32);
+    EXPECT_LE(testing::max_abs_diff(testing::to_double(gpu_->to_host(lse)), lse_ref),
+              testing::kTolLse);
+    for (int64_t e = 0; e < d; ++e) ASSERT_EQ(o_got[size_t(2 * d + e)], 0.0) << "row 2 has no part";
   }
-  const std::vector<double> o_got = testing::to_double(gpu_->to_host(o));
-  EXPECT_LE(testing::rel_l2(o_got, o_ref), testing::kTolF32);
-  EXPECT_LE(testing::max_abs_diff(testing::to_double(gpu_->to_host(lse)), lse_ref),
-            testing::kTolLse);
-  for (int64_t e = 0; e < d; ++e) ASSERT_EQ(o_got[size_t(2 * d + e)], 0.0) << "row 2 has no part";
 }
 
 // ---- streams, workspace, graphs -------------------------------------------------------------
