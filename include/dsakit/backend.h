@@ -33,6 +33,11 @@ struct Capabilities {
   // The compiled kernel instances, one line per kernel family (`dsakit info`); empty: any shape.
   std::vector<std::string> kernel_instances;
   DType intermediate_dtype = DType::kF32;  // q_abs, o_lat, up-projected K/V
+  // sparse_mla reads a bf16 pool faster than an fp8 / fp8-raw one (CUDA sm_90: the wgmma kernels'
+  // producers widen every fp8 row they gather): the layer's sparse path then reads an FP8 pool's
+  // context through a bf16 copy of it where each copied row is read often
+  // (docs/layer.md#staged-rows).
+  bool sparse_prefers_bf16_rows = false;
 };
 
 // k_nope [N, H, d_nope] and v [N, H, d_v] as views of one [N, H, d_nope + d_v] buffer (row n,
@@ -210,7 +215,9 @@ class Backend {
   // k_pe: bf16 [n, d_rope]. Locations must be distinct and in range.
   virtual void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                         const TensorView& k_pe) = 0;
-  // Dequantizes n locations into c_kv [n, d_c] and k_pe [n, d_rope] (bf16 or f32).
+  // Dequantizes n locations into c_kv [n, d_c] and k_pe [n, d_rope] (bf16 or f32). Each output's
+  // rows may be strided (unit stride in the last dim), e.g. the two column ranges of a bf16
+  // pool's storage: copying rows into a bf16 pool is gather_kv into its c_kv and k_pe columns.
   virtual void gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                          const TensorView& k_pe) = 0;
   // Quantizes idx_k bf16 [n, d_i] per token (power-of-two scale) into the index-key pool.
@@ -302,7 +309,9 @@ class Backend {
 
   // ---- index plumbing -----------------------------------------------------------------
   // Top-k positions -> pool locations: out[t, j] = kv_locs[kv_start[t] + pos] for a valid
-  // pos = positions[t, j] in [0, ctx_len[t]), else -1. positions/out: i32 [T, k].
+  // pos = positions[t, j] in [0, ctx_len[t]), else -1. positions/out: i32 [T, k]. kv_locs
+  // undefined (ndim 0): the identity, out[t, j] = kv_start[t] + pos — the row of a copy that
+  // holds the batch's context rows in kv_locs order (the layer's staged rows).
   virtual void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
                                       const TensorView& kv_start, const TensorView& ctx_len,
                                       const TensorView& out);

@@ -45,6 +45,18 @@ struct LayerResult {
   std::vector<StageTime> stages;  // filled when LayerOptions::time_stages
 };
 
+// How the sparse path reads an fp8 / fp8-raw pool (docs/layer.md#staged-rows).
+enum class SparseRows : uint8_t {
+  kAuto,    // staged where the backend prefers bf16 rows (Capabilities::sparse_prefers_bf16_rows),
+            // bf16 holds the pool's values (bf16_holds_pool_values) and the batch reads each
+            // context row often enough (detail::kStagedRowMinReads); else the pool
+  kPool,    // sparse_mla reads the pool's rows
+  kStaged,  // the batch's context rows are copied to a bf16 pool first (gather_kv), sparse_mla
+            // reads the copy; kInvalidArgument where bf16 does not hold the pool's values
+};
+const char* to_string(SparseRows rows);              // "auto" | "pool" | "staged"
+SparseRows parse_sparse_rows(const std::string& s);  // throws naming the accepted names
+
 struct LayerOptions {
   double sm_scale = 0;                // 0: ModelConfig::softmax_scale()
   DType output_dtype = DType::kBF16;  // bf16 or f32
@@ -62,6 +74,9 @@ struct LayerOptions {
   // (Backend::up_proj_kv_fp8): no dequantized copy of either, and W exactly as the checkpoint
   // defines it (docs/layer.md#fp8-weights).
   Fp8BlockWeights kv_b_proj_fp8;
+  // The sparse path's fp8 pool reads; DSAKIT_SPARSE_ROWS (auto | pool | staged), read when the
+  // layer is constructed, overrides it. Staged or not, the values read are the same.
+  SparseRows sparse_rows = SparseRows::kAuto;
 };
 
 // Checks layer inputs against the config for T new tokens on `device` (throws naming the tensor).
@@ -149,9 +164,10 @@ class DsaAttention {
   // Stores the new tokens and runs the prepared plan into res (whose plan is set).
   LayerResult run(const PreparedBatch::State& state, const LayerInputs& in,
                   const LayerOutputs& out);
-  void run_path(AttentionPath path, const BatchIndex& bi, const detail::DeviceBatchIndex& dev,
-                const LayerInputs& in, const TensorView& o, const TensorView& lse,
-                const TensorView& topk,
+  // batch: the requests bi indexes (it decides the sparse path's staged rows).
+  void run_path(AttentionPath path, const Batch& batch, const BatchIndex& bi,
+                const detail::DeviceBatchIndex& dev, const LayerInputs& in, const TensorView& o,
+                const TensorView& lse, const TensorView& topk,
                 const std::function<void(const char*, const std::function<void()>&)>& stage);
 
   ModelConfig config_;

@@ -94,6 +94,12 @@ class IndexKeyPool {
   Tensor storage_;
 };
 
+// True when bf16 holds every value the pool's rows can decode to, so a bf16 copy of its rows is
+// the pool exactly: bf16 pools; fp8 pools with pow2 tile scales; fp8-raw pools whose k_scale is
+// a power of two (an e4m3 value has 4 significant bits, bf16 8, and the exponents stay in
+// bf16's normal range).
+bool bf16_holds_pool_values(const KvPoolDesc& desc);
+
 // Checks a location list (i32 [n]) on the host: every entry in [0, num_locations).
 void check_locations(const TensorView& locs, int64_t num_locations, const char* name);
 

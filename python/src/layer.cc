@@ -514,7 +514,8 @@ void bind_layer(nb::module_& m) {
           [](LayerOptions* self, double sm_scale, const std::string& output_dtype,
              const std::string& dispatch, int64_t threshold, bool allow_approximation,
              int64_t chunk_capacity, bool allow_split, double min_split_gain,
-             std::optional<std::string> profile, bool time_stages, int64_t max_workspace_bytes) {
+             std::optional<std::string> profile, bool time_stages, int64_t max_workspace_bytes,
+             const std::string& sparse_rows) {
             LayerOptions o;
             o.sm_scale = sm_scale;
             o.output_dtype = parse_dtype(output_dtype);
@@ -527,12 +528,13 @@ void bind_layer(nb::module_& m) {
             if (profile) o.policy = o.policy.with_profile(*profile);
             o.time_stages = time_stages;
             o.max_workspace_bytes = max_workspace_bytes;
+            o.sparse_rows = parse_sparse_rows(sparse_rows);
             new (self) LayerOptions(std::move(o));
           },
           nb::kw_only(), "sm_scale"_a = 0.0, "output_dtype"_a = "bf16", "dispatch"_a = "rule",
           "threshold"_a = -1, "allow_approximation"_a = false, "chunk_capacity"_a = 131072,
           "allow_split"_a = true, "min_split_gain"_a = 0.05, "profile"_a = nb::none(),
-          "time_stages"_a = false, "max_workspace_bytes"_a = 0)
+          "time_stages"_a = false, "max_workspace_bytes"_a = 0, "sparse_rows"_a = "auto")
       .def_rw("sm_scale", &LayerOptions::sm_scale)
       .def_prop_ro("output_dtype",
                    [](const LayerOptions& o) { return std::string(to_string(o.output_dtype)); })
@@ -541,7 +543,9 @@ void bind_layer(nb::module_& m) {
       .def_prop_ro("threshold", [](const LayerOptions& o) { return o.policy.threshold; })
       .def_prop_ro("profile", [](const LayerOptions& o) { return o.policy.profile_path; })
       .def_rw("time_stages", &LayerOptions::time_stages)
-      .def_rw("max_workspace_bytes", &LayerOptions::max_workspace_bytes);
+      .def_rw("max_workspace_bytes", &LayerOptions::max_workspace_bytes)
+      .def_prop_ro("sparse_rows",
+                   [](const LayerOptions& o) { return std::string(to_string(o.sparse_rows)); });
 
   nb::class_<PyPrepared>(m, "PreparedBatch",
                          "A batch planned by one layer with its index arrays on the device "

@@ -1,6 +1,7 @@
 #include "src/core/validate.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <unordered_set>
 #include <vector>
 
@@ -59,8 +60,8 @@ void gather_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView
   const auto& d = pool.desc();
   check_tensor(locs, "locs", DType::kI32, dev, {-1});
   const int64_t n = locs.shape[0];
-  check_tensor(c_kv, "c_kv", kFloat, dev, {n, d.d_c});
-  check_tensor(k_pe, "k_pe", kFloat, dev, {n, d.d_rope});
+  check_strided_tensor(c_kv, "c_kv", kFloat, dev, {n, d.d_c});
+  check_strided_tensor(k_pe, "k_pe", kFloat, dev, {n, d.d_rope});
   check_locs_values(host_locs, n, d.num_locations(), "locs", false);
 }
 
@@ -341,17 +342,19 @@ void positions_to_locations(const TensorView& positions, const TensorView& kv_lo
                             const int32_t* host_ctx_len) {
   check_tensor(positions, "positions", DType::kI32, dev, {-1, -1});
   const int64_t t = positions.shape[0], k = positions.shape[1];
-  check_tensor(kv_locs, "kv_locs", DType::kI32, dev, {-1});
+  const bool identity = kv_locs.ndim == 0;  // out = kv_start + pos
+  if (!identity) check_tensor(kv_locs, "kv_locs", DType::kI32, dev, {-1});
   check_tensor(kv_start, "kv_start", DType::kI32, dev, {t});
   check_tensor(ctx_len, "ctx_len", DType::kI32, dev, {t});
   check_tensor(out, "locations out", DType::kI32, dev, {t, k});
   if (!host_kv_start || !host_ctx_len) return;
+  const int64_t bound = identity ? int64_t(INT32_MAX) + 1 : kv_locs.shape[0];
   for (int64_t i = 0; i < t; ++i)
     DSAKIT_CHECK_ARG(host_kv_start[i] >= 0 && host_ctx_len[i] >= 0 &&
-                         int64_t(host_kv_start[i]) + host_ctx_len[i] <= kv_locs.shape[0],
+                         int64_t(host_kv_start[i]) + host_ctx_len[i] <= bound,
                      "kv_start[", i, "] + ctx_len[", i, "] = ", host_kv_start[i], " + ",
-                     host_ctx_len[i], ": expected within kv_locs of ", kv_locs.shape[0],
-                     " entries");
+                     host_ctx_len[i], ": expected within ", bound,
+                     identity ? " (the int32 location range)" : " entries of kv_locs");
 }
 
 void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,

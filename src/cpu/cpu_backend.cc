@@ -201,13 +201,13 @@ class CpuBackend final : public Backend {
                                      host_i32(kv_start), host_i32(ctx_len));
     const int64_t t = positions.shape[0], k = positions.shape[1];
     const int32_t* pos = host_i32(positions);
-    const int32_t* locs = host_i32(kv_locs);
+    const int32_t* locs = kv_locs.ndim == 0 ? nullptr : host_i32(kv_locs);  // null: identity
     int32_t* dst = out.ptr<int32_t>();
     for (int64_t i = 0; i < t; ++i) {
       const int32_t start = host_i32(kv_start)[i], len = host_i32(ctx_len)[i];
       for (int64_t j = 0; j < k; ++j) {
         const int32_t p = pos[i * k + j];
-        dst[i * k + j] = (p >= 0 && p < len) ? locs[start + p] : -1;
+        dst[i * k + j] = !(p >= 0 && p < len) ? -1 : locs ? locs[start + p] : start + p;
       }
     }
   }

@@ -379,6 +379,8 @@ void CudaBackend::gather_kv(const PagedKvPool& pool, const TensorView& locs, con
                          k_pe.data,
                          c_kv.dtype == DType::kF32,
                          k_pe.dtype == DType::kF32,
+                         c_kv.stride[0],
+                         k_pe.stride[0],
                          locs.numel(),
                          d.num_locations(),
                          d.row(),
@@ -519,14 +521,15 @@ void CudaBackend::positions_to_locations(const TensorView& positions, const Tens
                         host_ctx = host_index_values(ctx_len);
   validate::positions_to_locations(positions, kv_locs, kv_start, ctx_len, out, Device::kCuda,
                                    host_start.data, host_ctx.data);
+  const bool identity = kv_locs.ndim == 0;
   const PositionsToLocationsParams p{positions.ptr<const int32_t>(),
-                                     kv_locs.ptr<const int32_t>(),
+                                     identity ? nullptr : kv_locs.ptr<const int32_t>(),
                                      kv_start.ptr<const int32_t>(),
                                      ctx_len.ptr<const int32_t>(),
                                      out.ptr<int32_t>(),
                                      positions.shape[0],
                                      int(positions.shape[1]),
-                                     kv_locs.numel()};
+                                     identity ? int64_t(INT32_MAX) + 1 : kv_locs.numel()};
   DSAKIT_CUDA_CHECK(launch_positions_to_locations(p, stream_));
 }
 

@@ -22,6 +22,24 @@ int64_t index_bytes(const Batch& batch) {
 
 }  // namespace
 
+const char* to_string(SparseRows rows) {
+  switch (rows) {
+    case SparseRows::kAuto:
+      return "auto";
+    case SparseRows::kPool:
+      return "pool";
+    case SparseRows::kStaged:
+      return "staged";
+  }
+  return "?";
+}
+
+SparseRows parse_sparse_rows(const std::string& s) {
+  for (SparseRows r : {SparseRows::kAuto, SparseRows::kPool, SparseRows::kStaged})
+    if (s == to_string(r)) return r;
+  DSAKIT_FAIL(kInvalidArgument, "sparse rows: expected 'auto', 'pool' or 'staged', got '", s, "'");
+}
+
 DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv_pool,
                            IndexKeyPool& index_pool, TensorView kv_b_proj, LayerOptions options)
     : config_(std::move(config)),
@@ -65,6 +83,14 @@ DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv
                    "max_workspace_bytes: expected >= 0 (0: no limit), got ",
                    options_.max_workspace_bytes);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();
+  if (const char* v = std::getenv("DSAKIT_SPARSE_ROWS"); v && *v) {
+    try {
+      options_.sparse_rows = parse_sparse_rows(v);
+    } catch (const Error& e) {
+      DSAKIT_FAIL(kInvalidArgument, "DSAKIT_SPARSE_ROWS: ", e.what());
+    }
+  }
+  detail::check_sparse_rows(kv_pool_, options_.sparse_rows);
   set_policy(options_.policy);
 }
 
@@ -118,12 +144,15 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
              be.dense_mha_scratch_bytes(n, h, c.qk_nope_head_dim, c.v_head_dim);
     return bytes;
   }
-  // Top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c]; the indexer's blocks.
+  // Top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c]; the indexer's blocks; the
+  // staged rows.
   const int64_t k = c.index_topk;
   bytes += 8 * t * k + 2 * mid * t * h * c.kv_lora_rank +
            IndexerBlocks::plan(t, c.index_n_heads, c.index_head_dim, n, c.index_topk,
                                indexer_block_bytes())
                .bytes;
+  if (detail::stage_sparse_rows(be, kv_pool_, options_.sparse_rows, batch, c))
+    bytes += detail::staged_rows_bytes(kv_pool_.desc(), n);
   return bytes;
 }
 
@@ -145,7 +174,7 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, const Plan& plan) cons
          4 * t * c.num_heads + 4 * t * c.index_topk;
 }
 
-void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi,
+void DsaAttention::run_path(AttentionPath path, const Batch& batch, const BatchIndex& bi,
                             const detail::DeviceBatchIndex& dev, const LayerInputs& in,
                             const TensorView& o, const TensorView& lse, const TensorView& topk,
                             const detail::StageFn& stage) {
@@ -162,8 +191,10 @@ void DsaAttention::run_path(AttentionPath path, const BatchIndex& bi,
       return;
     }
     case AttentionPath::kSparseMla:
-      detail::sparse_path(backend_, config_, sm_scale_, kv_pool_, index_pool_, dev, in, kv_b_proj_,
-                          o, lse, topk, stage);
+      detail::sparse_path(
+          backend_, config_, sm_scale_, kv_pool_, index_pool_, dev, in, kv_b_proj_, o, lse, topk,
+          stage,
+          detail::stage_sparse_rows(backend_, kv_pool_, options_.sparse_rows, batch, config_));
       return;
     case AttentionPath::kMixed:
       break;
@@ -310,7 +341,8 @@ LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInpu
                   [](const PlanSegment& s) { return s.path == AttentionPath::kSparseMla; });
   if (any_sparse) res.topk = output(out.topk, DType::kI32, {t, c.index_topk});
   if (res.plan.path != AttentionPath::kMixed) {
-    run_path(res.plan.path, state.bi, state.dev[0], in, res.o, res.lse, res.topk, stage);
+    run_path(res.plan.path, state.batch, state.bi, state.dev[0], in, res.o, res.lse, res.topk,
+             stage);
     if (store_last) store();
     return res;
   }
@@ -328,8 +360,8 @@ LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInpu
     rows.idx_q = slice_rows(in.idx_q, r0, r1);
     rows.idx_k = slice_rows(in.idx_k, r0, r1);
     rows.idx_w = slice_rows(in.idx_w, r0, r1);
-    run_path(s.path, state.run_bi[i], state.dev[i + 1], rows, slice_rows(res.o, r0, r1),
-             slice_rows(res.lse, r0, r1),
+    run_path(s.path, state.batch.slice(s.first_request, s.num_requests), state.run_bi[i],
+             state.dev[i + 1], rows, slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
              s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{},
              stage);
   }

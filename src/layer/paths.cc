@@ -1,5 +1,8 @@
 #include "src/layer/paths.h"
 
+#include "dsakit/cost_model.h"
+#include "dsakit/error.h"
+
 namespace dsakit::detail {
 
 PackedI32 upload_i32(Backend& be, const std::vector<const std::vector<int32_t>*>& arrays) {
@@ -111,10 +114,42 @@ bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
          cu_q == cu_kv;
 }
 
+bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option,
+                       const Batch& batch, const ModelConfig& c) {
+  if (pool.layout() == KvLayout::kBf16 || option == SparseRows::kPool) return false;
+  if (option == SparseRows::kStaged) return true;  // check_sparse_rows() held at construction
+  const double rows = double(batch.total_kv_len());
+  return be.capabilities().sparse_prefers_bf16_rows && bf16_holds_pool_values(pool.desc()) &&
+         rows > 0 && CostFeatures::of(batch, c).ctx_topk >= kStagedRowMinReads * rows;
+}
+
+namespace {
+KvPoolDesc staged_rows_desc(const KvPoolDesc& pool, int64_t n) {
+  KvPoolDesc d;
+  d.layout = KvLayout::kBf16;
+  d.page_size = 1;  // row r is location r
+  d.num_pages = n;
+  d.d_c = pool.d_c;
+  d.d_rope = pool.d_rope;
+  return d;
+}
+}  // namespace
+
+int64_t staged_rows_bytes(const KvPoolDesc& pool, int64_t n) {
+  return n * staged_rows_desc(pool, n).bytes_per_token();
+}
+
+void check_sparse_rows(const PagedKvPool& pool, SparseRows option) {
+  DSAKIT_CHECK_ARG(option != SparseRows::kStaged || bf16_holds_pool_values(pool.desc()),
+                   "sparse_rows staged: a bf16 copy holds this pool's values only for pow2 "
+                   "tile scales or a power-of-two k_scale; the pool is ",
+                   pool.desc().summary(), " (use 'pool' or 'auto')");
+}
+
 void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& kv_pool,
                  const IndexKeyPool& index_pool, const DeviceBatchIndex& dev, const LayerInputs& in,
                  const TensorView& kv_b_proj, const TensorView& o, const TensorView& lse,
-                 const TensorView& topk, const StageFn& stage) {
+                 const TensorView& topk, const StageFn& stage, bool staged_rows) {
   const int64_t t = in.q_nope.shape[0], h = c.num_heads;
   const int k = c.index_topk;
   const DType mid = be.capabilities().intermediate_dtype;
@@ -124,15 +159,33 @@ void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const Paged
   layout.kv_start = dev.kv_start;
   layout.ctx_len = dev.ctx_len;
   stage("indexer_topk", [&] { be.indexer_topk(in.idx_q, in.idx_w, layout, k, topk); });
+  // Staged: the context rows in kv_locs order, as a bf16 pool whose location r is row r; the
+  // positions then map to rows by the identity (kv_start + pos).
+  PagedKvPool rows;
+  if (staged_rows) {
+    const int64_t n = dev.kv_locs.shape[0];
+    const KvPoolDesc d = staged_rows_desc(kv_pool.desc(), n);
+    rows = PagedKvPool(d, be.empty(DType::kU8, {n, d.bytes_per_token()}));
+    TensorView c_kv =
+        make_view(rows.storage().data, DType::kBF16, be.device(), {n, int64_t(d.d_c) + d.d_rope});
+    TensorView k_pe = c_kv;
+    c_kv.shape[1] = d.d_c;
+    k_pe.shape[1] = d.d_rope;
+    k_pe.data = static_cast<bf16_t*>(c_kv.data) + d.d_c;
+    stage("stage_rows", [&] { be.gather_kv(kv_pool, dev.kv_locs, c_kv, k_pe); });
+  }
   Tensor locs = be.empty(DType::kI32, {t, k});
-  stage("topk_to_locations",
-        [&] { be.positions_to_locations(topk, dev.kv_locs, dev.kv_start, dev.ctx_len, locs); });
+  stage("topk_to_locations", [&] {
+    be.positions_to_locations(topk, staged_rows ? TensorView{} : dev.kv_locs, dev.kv_start,
+                              dev.ctx_len, locs);
+  });
   Tensor q_abs = be.empty(mid, {t, h, c.kv_lora_rank});
   stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj, c.v_head_dim, q_abs); });
   Tensor o_lat = be.empty(mid, {t, h, c.kv_lora_rank});
   // The indexer's rows hold min(ctx_len, k) valid slots first (ascending, -1 padded): ctx_len as
   // topk_length stops each token there instead of scanning all k slots (the kernels clamp to k).
-  sparse_attention(be, sm_scale, kv_pool, q_abs, in.q_pe, locs, o_lat, lse, stage, dev.ctx_len);
+  sparse_attention(be, sm_scale, staged_rows ? rows : kv_pool, q_abs, in.q_pe, locs, o_lat, lse,
+                   stage, dev.ctx_len);
   stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj, c.qk_nope_head_dim, o); });
 }
 

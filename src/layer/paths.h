@@ -73,14 +73,31 @@ const Fp8BlockWeights* fp8_up_proj_weights(const Backend& be, const PagedKvPool&
 bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
                           const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_kv);
 
+// Staged rows (docs/layer.md#staged-rows): the sparse path copies the batch's N context rows of
+// an fp8 / fp8-raw pool into a bf16 pool of N rows (N · bf16 row bytes of workspace, in kv_locs
+// order) and sparse_mla reads the copy — the same values where bf16_holds_pool_values(). The copy
+// costs a read and a write of each row once; reading bf16 rows saves on every (token, slot)
+// read. kAuto stages where the backend prefers bf16 rows and the batch reads each context row at
+// least kStagedRowMinReads times on average (Σ_t min(ctx_t, k) >= kStagedRowMinReads · N): a
+// prefill reads a row up to k times, a decode step about once.
+inline constexpr double kStagedRowMinReads = 32;
+bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option,
+                       const Batch& batch, const ModelConfig& c);
+// Workspace of the staged rows of n context rows of `pool`.
+int64_t staged_rows_bytes(const KvPoolDesc& pool, int64_t n);
+// Throws Error(kInvalidArgument) when `option` is kStaged and bf16 does not hold the pool's
+// values (the layer's constructor: nothing is stored before).
+void check_sparse_rows(const PagedKvPool& pool, SparseRows option);
+
 // Sparse MLA of the T new tokens `dev` indexes: the indexer's top-k positions (into topk i32
-// [T, index_topk], ascending, -1 padded), positions -> pool locations, q absorption, absorbed
-// sparse attention over the selected rows (each token stopping at its context length), and the V
-// up-projection into o [T, H, d_v]; lse [T, H]. Inputs: the layer's q_nope, q_pe, idx_q, idx_w.
+// [T, index_topk], ascending, -1 padded), positions -> pool locations (or, with staged_rows, the
+// rows of the bf16 copy), q absorption, absorbed sparse attention over the selected rows (each
+// token stopping at its context length), and the V up-projection into o [T, H, d_v]; lse [T, H].
+// Inputs: the layer's q_nope, q_pe, idx_q, idx_w.
 void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& kv_pool,
                  const IndexKeyPool& index_pool, const DeviceBatchIndex& dev, const LayerInputs& in,
                  const TensorView& kv_b_proj, const TensorView& o, const TensorView& lse,
-                 const TensorView& topk, const StageFn& stage);
+                 const TensorView& topk, const StageFn& stage, bool staged_rows = false);
 
 // Absorbed sparse attention over pool locations: o_lat [T, H, d_c] and lse [T, H] from
 // q_abs [T, H, d_c], q_pe [T, H, d_rope] and indices i32 [T, k] (pool locations, -1 skipped).

@@ -1,5 +1,6 @@
 #include "dsakit/pool.h"
 
+#include <cmath>
 #include <sstream>
 
 #include "dsakit/error.h"
@@ -99,6 +100,21 @@ IndexKeyPool::IndexKeyPool(const IndexKeyPoolDesc& desc, Tensor storage)
   desc_.validate();
   check_tensor(storage_.view(), "index pool storage", DType::kU8, storage_.device(),
                {desc_.num_pages, desc_.page_bytes()});
+}
+
+bool bf16_holds_pool_values(const KvPoolDesc& desc) {
+  switch (desc.layout) {
+    case KvLayout::kBf16:
+      return true;
+    case KvLayout::kFp8Scaled:
+      return desc.scale_policy == ScalePolicy::kPow2;
+    case KvLayout::kFp8Raw: {
+      // A power of two whose smallest product (the subnormal code 2^-9) is a normal bf16.
+      int exponent = 0;
+      return std::frexp(desc.k_scale, &exponent) == 0.5f && exponent - 1 - 9 >= -126;
+    }
+  }
+  return false;
 }
 
 void check_locations(const TensorView& locs, int64_t num_locations, const char* name) {

@@ -366,6 +366,112 @@ TEST_P(LayerTest, DenseGathersUnlessThePoolReturnsTheInputs) {
   }
 }
 
+bool has_stage(const StepRecord& step, const char* name) {
+  return std::any_of(step.stages.begin(), step.stages.end(),
+                     [&](const StageTime& x) { return x.stage == name; });
+}
+
+// h with a fresh pool of `policy` / `k_scale` and a layer of `rows` (sparse dispatch, stage times).
+void use_sparse_rows(Harness& h, ScalePolicy policy, float k_scale, SparseRows rows) {
+  h.kd.scale_policy = policy;
+  h.kd.k_scale = k_scale;
+  h.kv = h.be->make_kv_pool(h.kd);
+  LayerOptions o;
+  o.output_dtype = bf16_mid(h) ? DType::kBF16 : DType::kF32;
+  o.policy.mode = DispatchMode::kSparse;
+  o.time_stages = true;
+  o.sparse_rows = rows;
+  h.layer = std::make_unique<DsaAttention>(h.cfg, *h.be, h.kv, h.ix, h.w, o);
+}
+
+// docs/layer.md#staged-rows: the sparse path reading an FP8 pool through a bf16 copy of the
+// batch's context rows reads the same values, so over chunked prefill with a cached prefix and
+// decode steps it returns the same outputs as reading the pool: the same bits where the
+// arithmetic is the same (the CPU; CUDA's 656-byte pools, whose kernel widens to the bf16 that
+// the copy holds), within the same-path bounds where it is not (CUDA's fp8-raw kernel multiplies
+// f16 codes), and the float64 reference's values either way.
+TEST_P(LayerTest, StagedRowsReadThePoolsValues) {
+  struct Case {
+    KvLayout layout;
+    ScalePolicy policy;
+    float k_scale;
+    bool same_bits_on_bf16_backends;
+  };
+  for (Case cs : {Case{KvLayout::kFp8Scaled, ScalePolicy::kPow2, 1.0f, true},
+                  Case{KvLayout::kFp8Raw, ScalePolicy::kAmax, 0.5f, false}}) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(::testing::Message() << to_string(cs.layout) << " seed " << seed);
+    const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 64);
+    const std::vector<int32_t> prefix = {100, 0}, prompt = {150, 90}, len = {152, 92};
+    Harness pool(c, GetParam(), cs.layout, 16, len, seed, DispatchMode::kSparse);
+    Harness staged(c, GetParam(), cs.layout, 16, len, seed, DispatchMode::kSparse);
+    use_sparse_rows(pool, cs.policy, cs.k_scale, SparseRows::kPool);
+    use_sparse_rows(staged, cs.policy, cs.k_scale, SparseRows::kStaged);
+    RunOutputs a, b;
+    for (const RunSchedule& s : {RunSchedule{pool.zeros(), prefix, 0, ForwardMode::kExtend},
+                                 RunSchedule{prefix, prompt, 0, ForwardMode::kExtend},
+                                 RunSchedule{prompt, len, 1, ForwardMode::kDecode}}) {
+      run_schedule(*pool.layer, pool.tables, pool.tokens, s, a);
+      run_schedule(*staged.layer, staged.tables, staged.tokens, s, b);
+    }
+    ASSERT_EQ(a.steps.size(), 4u);
+    for (size_t i = 0; i < a.steps.size(); ++i) {
+      EXPECT_FALSE(has_stage(a.steps[i], "stage_rows")) << "step " << i;
+      EXPECT_TRUE(has_stage(b.steps[i], "stage_rows")) << "step " << i;
+    }
+    EXPECT_EQ(a.ran, b.ran);
+    const Diff d = compare(a, b, both(a, b));
+    EXPECT_EQ(d.rows, 244);
+    if (!bf16_mid(pool) || cs.same_bits_on_bf16_backends) {
+      EXPECT_EQ(testing::checksum(a.o), testing::checksum(b.o)) << "o rel-L2 " << d.o_rel;
+      EXPECT_EQ(testing::checksum(a.lse), testing::checksum(b.lse)) << "lse " << d.lse_abs;
+    } else {
+      EXPECT_LE(d.o_rel, tol_f32(pool));
+      EXPECT_LE(d.lse_abs, testing::kTolLse);
+    }
+    expect_matches_reference(staged, b, len);
+  }
+}
+
+// kAuto stages where the backend prefers bf16 rows and the batch reads each context row often
+// (a prefill), not for a decode step; the sparse workspace counts the copy exactly then; a
+// forced copy of a pool bf16 does not hold is refused when the layer is made.
+TEST_P(LayerTest, StagedRowsByDefaultWhereTheyPay) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 64);
+  const std::vector<int32_t> prompt = {300, 200}, len = {301, 201};
+  Harness h(c, GetParam(), KvLayout::kFp8Scaled, 16, len, seed, DispatchMode::kSparse);
+  use_sparse_rows(h, ScalePolicy::kPow2, 1.0f, SparseRows::kAuto);
+  RunOutputs out;
+  run_schedule(*h.layer, h.tables, h.tokens, {h.zeros(), prompt, 0, ForwardMode::kExtend}, out);
+  run_schedule(*h.layer, h.tables, h.tokens, {prompt, len, 1, ForwardMode::kDecode}, out);
+  ASSERT_EQ(out.steps.size(), 2u);
+  // Prefill: Σ min(ctx, 64) over 500 tokens is ~60 reads of each of the 500 rows; decode: 128
+  // reads of 502 rows.
+  EXPECT_EQ(has_stage(out.steps[0], "stage_rows"), h.be->capabilities().sparse_prefers_bf16_rows);
+  EXPECT_FALSE(has_stage(out.steps[1], "stage_rows"));
+  expect_matches_reference(h, out, len);
+
+  // The copy: every context row, d_c + d_rope bf16 values each.
+  const Batch& prefill = out.steps[0].batch;
+  const int64_t copy = prefill.total_kv_len() * 2 * (c.kv_lora_rank + c.qk_rope_head_dim);
+  const int64_t auto_bytes = h.layer->workspace_bytes(prefill, AttentionPath::kSparseMla);
+  use_sparse_rows(h, ScalePolicy::kPow2, 1.0f, SparseRows::kPool);
+  const int64_t pool_bytes = h.layer->workspace_bytes(prefill, AttentionPath::kSparseMla);
+  use_sparse_rows(h, ScalePolicy::kPow2, 1.0f, SparseRows::kStaged);
+  EXPECT_EQ(h.layer->workspace_bytes(prefill, AttentionPath::kSparseMla), pool_bytes + copy);
+  EXPECT_EQ(auto_bytes, pool_bytes + (h.be->capabilities().sparse_prefers_bf16_rows ? copy : 0));
+
+  // 656-byte amax scales, fp8-raw with k_scale 0.75: bf16 does not hold their values.
+  for (KvLayout layout : {KvLayout::kFp8Scaled, KvLayout::kFp8Raw}) {
+    Harness bad(c, GetParam(), layout, 16, len, seed, DispatchMode::kSparse);
+    testing::expect_error_naming(
+        [&] { use_sparse_rows(bad, ScalePolicy::kAmax, 0.75f, SparseRows::kStaged); },
+        "sparse_rows staged", ErrorKind::kInvalidArgument);
+  }
+}
+
 // Two requests share a cached prefix's pages (declared); the second's result equals its fresh run.
 TEST_P(LayerTest, SharedPrefixPages) {
   const uint64_t seed = fresh_seed();

@@ -329,6 +329,106 @@ TEST(KvPool, GatherMixedOutputDtypes) {
   });
 }
 
+// bf16_holds_pool_values: which pools a bf16 copy holds exactly (the layer's staged rows).
+TEST(KvPool, Bf16HoldsPoolValues) {
+  const auto holds = [](KvLayout layout, ScalePolicy policy, float k_scale) {
+    KvPoolDesc d;
+    d.layout = layout;
+    d.scale_policy = policy;
+    d.k_scale = k_scale;
+    return bf16_holds_pool_values(d);
+  };
+  EXPECT_TRUE(holds(KvLayout::kBf16, ScalePolicy::kAmax, 1.0f));
+  EXPECT_FALSE(holds(KvLayout::kFp8Scaled, ScalePolicy::kAmax, 1.0f));
+  EXPECT_TRUE(holds(KvLayout::kFp8Scaled, ScalePolicy::kPow2, 1.0f));
+  EXPECT_TRUE(holds(KvLayout::kFp8Raw, ScalePolicy::kAmax, 1.0f));
+  EXPECT_TRUE(holds(KvLayout::kFp8Raw, ScalePolicy::kAmax, 0.25f));
+  EXPECT_TRUE(holds(KvLayout::kFp8Raw, ScalePolicy::kAmax, 0x1p40f));
+  EXPECT_FALSE(holds(KvLayout::kFp8Raw, ScalePolicy::kAmax, 0.0371f));
+  EXPECT_FALSE(holds(KvLayout::kFp8Raw, ScalePolicy::kAmax, 0.75f));
+  // The smallest code (2^-9) times k_scale must stay a normal bf16 (>= 2^-126).
+  EXPECT_TRUE(holds(KvLayout::kFp8Raw, ScalePolicy::kAmax, 0x1p-117f));
+  EXPECT_FALSE(holds(KvLayout::kFp8Raw, ScalePolicy::kAmax, 0x1p-118f));
+}
+
+// gather_kv into the two column ranges of a bf16 pool's storage (rows strided by the bf16 row):
+// the copy is a bf16 pool whose row r reads back, through gather_kv, exactly what location
+// locs[r] of the source reads — for every pool bf16 holds (the layer's staged rows).
+TEST(KvPool, GatherIntoTheColumnsOfABf16Pool) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(seed);
+  Rng rng(seed);
+  for_each_backend([&](Backend& be) {
+    for (const LayoutCase& lc : kLayoutCases) {
+      const KvPoolDesc sd = pool_desc(lc, 16, 96);
+      if (!bf16_holds_pool_values(sd)) continue;
+      SCOPED_TRACE(describe(sd));
+      PoolFixture src(be, sd);
+      const int64_t n = 40;
+      const std::vector<int32_t> locs = distinct_locations(rng, n, 96);
+      src.store(locs, random_tokens(rng, n, lc.layout));
+
+      KvPoolDesc cd;
+      cd.layout = KvLayout::kBf16;
+      cd.page_size = 1;
+      cd.num_pages = n;
+      PagedKvPool copy(cd, be.empty(DType::kU8, {n, cd.bytes_per_token()}));
+      be.poison(copy.storage());
+      TensorView c_kv =
+          make_view(copy.storage().data, DType::kBF16, be.device(), {n, kDc + kDrope});
+      TensorView k_pe = c_kv;
+      c_kv.shape[1] = kDc;
+      k_pe.shape[1] = kDrope;
+      k_pe.data = static_cast<bf16_t*>(c_kv.data) + kDc;
+      be.gather_kv(src.pool(), be.to_device(i32_tensor(locs)), c_kv, k_pe);
+
+      std::vector<int32_t> rows(static_cast<size_t>(n));
+      std::iota(rows.begin(), rows.end(), 0);
+      const auto [want_c, want_r] = src.gather(locs);
+      Tensor got_c = be.empty(DType::kF32, {n, kDc}), got_r = be.empty(DType::kF32, {n, kDrope});
+      be.poison(got_c);
+      be.poison(got_r);
+      be.gather_kv(copy, be.to_device(i32_tensor(rows)), got_c, got_r);
+      const Tensor gc = be.to_host(got_c), gr = be.to_host(got_r);
+      for (int64_t i = 0; i < n * kDc; ++i)
+        ASSERT_TRUE(same_float(gc.ptr<float>()[i], want_c.ptr<float>()[i])) << "c_kv " << i;
+      for (int64_t i = 0; i < n * kDrope; ++i)
+        ASSERT_TRUE(same_float(gr.ptr<float>()[i], want_r.ptr<float>()[i])) << "k_pe " << i;
+    }
+  });
+}
+
+// positions_to_locations with kv_locs undefined: the identity, kv_start[t] + pos for a position
+// in [0, ctx_len[t]), else -1.
+TEST(BatchIndex, PositionsToRowsByTheIdentity) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(seed);
+  Rng rng(seed);
+  for_each_backend([&](Backend& be) {
+    const int64_t t = 7, k = 9;
+    std::vector<int32_t> pos(static_cast<size_t>(t * k)), start(static_cast<size_t>(t)),
+        ctx(static_cast<size_t>(t));
+    for (int64_t i = 0; i < t; ++i) {
+      start[size_t(i)] = int32_t(rng.randint(0, 300));
+      ctx[size_t(i)] = int32_t(rng.randint(0, 12));
+    }
+    for (auto& p : pos) p = int32_t(rng.randint(-2, 14));
+    Tensor pos_host = Tensor::host(DType::kI32, {t, k});
+    std::copy(pos.begin(), pos.end(), pos_host.ptr<int32_t>());
+    Tensor out = be.empty(DType::kI32, {t, k});
+    be.poison(out);
+    be.positions_to_locations(be.to_device(pos_host), TensorView{}, be.to_device(i32_tensor(start)),
+                              be.to_device(i32_tensor(ctx)), out);
+    const Tensor got = be.to_host(out);
+    for (int64_t i = 0; i < t * k; ++i) {
+      const int64_t row = i / k;
+      const int32_t p = pos[size_t(i)];
+      const int32_t want = p >= 0 && p < ctx[size_t(row)] ? start[size_t(row)] + p : -1;
+      ASSERT_EQ(got.ptr<int32_t>()[i], want) << "entry " << i;
+    }
+  });
+}
+
 // The 656-byte layout read directly from the bytes: e4m3 codes, four little-endian fp32
 // scales at [512, 528), bf16 rope at [528, 656).
 TEST(KvPool, Fp8ScaledRowBytes) {

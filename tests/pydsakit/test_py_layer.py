@@ -277,3 +277,27 @@ def test_concurrent_calls_from_threads_match_one_thread(rng):
     other.kv.free()
     t.join(timeout=60)
     assert stop and "freed" in stop[0]
+
+
+def test_staged_rows_read_the_pools_values(rng):
+    """LayerOptions(sparse_rows=...): the sparse path reading a bf16 copy of the context rows
+    returns the bits of reading the FP8 pool (the CPU's arithmetic is the same either way), shows
+    its copy as the stage_rows stage, and a copy bf16 cannot hold is refused at construction."""
+    batch = dsakit.Batch([0, 0], [100, 30], [list(range(0, 7)), list(range(7, 9))])
+    results = {}
+    for rows in ("pool", "staged"):
+        s = Small(np.random.default_rng(7), dispatch="sparse", time_stages=True, sparse_rows=rows)
+        assert s.layer.options.sparse_rows == rows
+        results[rows] = s.layer.forward(batch, s.inputs(130))
+    a, b = results["pool"], results["staged"]
+    assert a.plan.path == b.plan.path == "sparse_mla"
+    assert "stage_rows" not in dict(a.stages) and "stage_rows" in dict(b.stages)
+    assert np.array_equal(a.o.view(np.uint16), b.o.view(np.uint16))
+    assert np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32))
+    assert np.array_equal(a.topk, b.topk)
+    with pytest.raises(ValueError, match="sparse rows: expected 'auto', 'pool' or 'staged'"):
+        dsakit.LayerOptions(sparse_rows="copy")
+    s = Small(rng)
+    amax = dsakit.KvPool("fp8", 16, 24, scale_policy="amax")
+    with pytest.raises(ValueError, match="sparse_rows staged"):
+        dsakit.DsaAttention(s.cfg, amax, s.ix, s.w, dsakit.LayerOptions(sparse_rows="staged"))

@@ -106,15 +106,16 @@ void decode_kv_row(const KvPoolDesc& d, const uint8_t* row, OutC* c_kv, OutR* k_
   copy_bf16(reinterpret_cast<const bf16_t*>(row + layout.rope_offset()), d.d_rope, k_pe);
 }
 
+// Row i of the outputs starts c_stride / r_stride elements after row i - 1.
 template <typename OutC, typename OutR>
 void gather_rows(const CpuContext& ctx, const PagedKvPool& pool, const int32_t* locs, int64_t n,
-                 OutC* c_kv, OutR* k_pe) {
+                 OutC* c_kv, int64_t c_stride, OutR* k_pe, int64_t r_stride) {
   const KvPoolDesc& d = pool.desc();
   const uint8_t* rows = pool.storage().ptr<const uint8_t>();
   const int64_t row_bytes = d.bytes_per_token();
 #pragma omp parallel for num_threads(ctx.threads) schedule(static)
   for (int64_t i = 0; i < n; ++i)
-    decode_kv_row(d, rows + int64_t(locs[i]) * row_bytes, c_kv + i * d.d_c, k_pe + i * d.d_rope);
+    decode_kv_row(d, rows + int64_t(locs[i]) * row_bytes, c_kv + i * c_stride, k_pe + i * r_stride);
 }
 
 }  // namespace
@@ -136,12 +137,13 @@ void gather_kv(const CpuContext& ctx, const PagedKvPool& pool, const TensorView&
                const TensorView& c_kv, const TensorView& k_pe) {
   const int32_t* loc = locs.ptr<const int32_t>();
   const int64_t n = locs.numel();
-  // The two outputs may differ in dtype (each bf16 or f32).
+  // The two outputs may differ in dtype (each bf16 or f32); their rows may be strided.
+  const int64_t c_stride = c_kv.stride[0], r_stride = k_pe.stride[0];
   auto with_rope = [&](auto* c) {
     if (k_pe.dtype == DType::kF32) {
-      gather_rows(ctx, pool, loc, n, c, k_pe.ptr<float>());
+      gather_rows(ctx, pool, loc, n, c, c_stride, k_pe.ptr<float>(), r_stride);
     } else {
-      gather_rows(ctx, pool, loc, n, c, k_pe.ptr<bf16_t>());
+      gather_rows(ctx, pool, loc, n, c, c_stride, k_pe.ptr<bf16_t>(), r_stride);
     }
   };
   if (c_kv.dtype == DType::kF32) {

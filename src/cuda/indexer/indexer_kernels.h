@@ -63,13 +63,13 @@ struct TopkParams {
 
 struct PositionsToLocationsParams {
   const int32_t* positions;  // [T, k]
-  const int32_t* kv_locs;    // [n_kv]
+  const int32_t* kv_locs;    // [n_kv], or nullptr: the identity (out = kv_start + pos)
   const int32_t* kv_start;   // [T]
   const int32_t* ctx_len;    // [T]
   int32_t* out;              // [T, k] kv_locs[kv_start + pos] for pos in [0, ctx_len), else -1
   int64_t tokens;
   int k;
-  int64_t n_kv;
+  int64_t n_kv;  // kv_start + pos < n_kv (identity: 2^31)
 };
 
 cudaError_t launch_indexer_quantize_q(const QuantizeQParams& p, cudaStream_t stream);

@@ -1,6 +1,7 @@
 // positions_to_locations: top-k positions [T, k] -> pool locations [T, k]:
 // out[t, j] = kv_locs[kv_start[t] + pos] for pos = positions[t, j] in [0, ctx_len[t]) whose
-// kv_locs index is in range, else -1. One thread per entry, grid-stride.
+// kv_locs index is in range, else -1 (kv_locs null: kv_start[t] + pos, the identity). One
+// thread per entry, grid-stride.
 #include <algorithm>
 
 #include "src/cuda/common/device_utils.cuh"
@@ -20,7 +21,7 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t pos = p.positions[i];
     const int64_t j = int64_t(p.kv_start[t]) + pos;
     const bool valid = pos >= 0 && pos < p.ctx_len[t] && j >= 0 && j < p.n_kv;
-    p.out[i] = valid ? p.kv_locs[j] : -1;
+    p.out[i] = !valid ? -1 : p.kv_locs != nullptr ? p.kv_locs[j] : int32_t(j);
   }
 }
 

@@ -1,4 +1,5 @@
-// gather_kv: dequantize n pool rows into c_kv [n, d_c] and k_pe [n, d_rope] (each bf16 or f32).
+// gather_kv: dequantize n pool rows into c_kv [n, d_c] and k_pe [n, d_rope] (each bf16 or f32,
+// rows strided).
 // One 128-thread block per location; consecutive threads read consecutive values of the row.
 // value = e4m3(code) * scale rounded to fp32, then to the output dtype (the CPU formula); bf16
 // values stored in the row are copied bit for bit to a bf16 output.
@@ -28,12 +29,14 @@ __device__ __forceinline__ void write_bf16_bits(void* out, bool f32, int64_t i, 
   }
 }
 
-// k_pe of one gathered row (its location valid or not) into k_pe[token].
+// k_pe of one gathered row (its location valid or not) into row `token` of k_pe (rows `stride`
+// elements apart).
 template <KvLayout kLayout>
 __device__ __forceinline__ void gather_rope(const uint8_t* rope, bool valid, int64_t token,
-                                            int d_rope, void* k_pe, bool k_pe_f32, float k_scale) {
+                                            int d_rope, void* k_pe, int64_t stride, bool k_pe_f32,
+                                            float k_scale) {
   for (int e = threadIdx.x; e < d_rope; e += kThreads) {
-    const int64_t out = token * d_rope + e;
+    const int64_t out = token * stride + e;
     if (!valid) {
       write_value(k_pe, k_pe_f32, out, 0.0f);
     } else if constexpr (kLayout == KvLayout::kFp8Raw) {
@@ -53,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) gather_kv_kernel(const GatherKvParam
   const uint8_t* row = p.rows + (valid ? int64_t(loc) * p.row.bytes_per_token() : 0);
 
   for (int e = threadIdx.x; e < d_c; e += kThreads) {
-    const int64_t out = token * d_c + e;
+    const int64_t out = token * p.c_kv_stride + e;
     if (!valid) {
       write_value(p.c_kv, p.c_kv_f32, out, 0.0f);
     } else if constexpr (kLayout == KvLayout::kBf16) {
@@ -65,8 +68,8 @@ __global__ void __launch_bounds__(kThreads) gather_kv_kernel(const GatherKvParam
       write_value(p.c_kv, p.c_kv_f32, out, dequantize_e4m3_like_host(row[e], scale));
     }
   }
-  gather_rope<kLayout>(row + p.row.rope_offset(), valid, token, d_rope, p.k_pe, p.k_pe_f32,
-                       p.k_scale);
+  gather_rope<kLayout>(row + p.row.rope_offset(), valid, token, d_rope, p.k_pe, p.k_pe_stride,
+                       p.k_pe_f32, p.k_scale);
 }
 
 // One block per row r of [0, n_padded): its codes by 16-byte chunks, its tile scales, its k_pe.
@@ -93,8 +96,8 @@ __global__ void __launch_bounds__(kThreads) gather_kv_codes_kernel(const GatherK
       p.tail_scales[int64_t(b) * p.tail_rows + (r - n_main)] = s;
   }
   if (r < p.n)
-    gather_rope<kLayout>(row + p.row.rope_offset(), valid, r, p.row.d_rope, p.k_pe, p.k_pe_f32,
-                         p.k_scale);
+    gather_rope<kLayout>(row + p.row.rope_offset(), valid, r, p.row.d_rope, p.k_pe, p.row.d_rope,
+                         p.k_pe_f32, p.k_scale);
 }
 
 }  // namespace

@@ -27,10 +27,12 @@ struct StoreKvParams {
 struct GatherKvParams {
   const int32_t* locs;  // [n] pool locations
   const uint8_t* rows;  // [num_locations, row.bytes_per_token()]
-  void* c_kv;           // [n, d_c]    f32 if c_kv_f32 else bf16
-  void* k_pe;           // [n, d_rope] f32 if k_pe_f32 else bf16
+  void* c_kv;           // [n, d_c]    f32 if c_kv_f32 else bf16; rows c_kv_stride apart
+  void* k_pe;           // [n, d_rope] f32 if k_pe_f32 else bf16; rows k_pe_stride apart
   bool c_kv_f32;
   bool k_pe_f32;
+  int64_t c_kv_stride;  // elements, >= d_c
+  int64_t k_pe_stride;  // elements, >= d_rope
   int64_t n;
   int64_t num_locations;
   KvRowLayout row;
