@@ -211,6 +211,12 @@ int run_cli(int argc, char** argv) {
   run->add_option("--max-workspace-mb", ro.max_workspace_mb,
                   "Refuse a layer call whose workspace estimate exceeds this many MiB (0: no "
                   "limit); exit 3 before the call computes anything");
+  run->add_option("--sparse-rows", ro.sparse_rows,
+                  "How the sparse path reads an fp8 / fp8-raw pool: auto (a bf16 copy of the "
+                  "context rows where the GPU reads those faster and each is read often: "
+                  "prefill), pool, or staged (docs/layer.md#staged-rows); DSAKIT_SPARSE_ROWS "
+                  "overrides it")
+      ->capture_default_str();
 
   PlanOptions po;
   CLI::App* plan = app.add_subcommand(

@@ -298,6 +298,7 @@ LayerOptions run_layer_options(const RunOptions& opt) {
   if (!opt.profile.empty()) lo.policy = lo.policy.with_profile(opt.profile);
   lo.time_stages = true;
   lo.max_workspace_bytes = opt.max_workspace_mb << 20;
+  lo.sparse_rows = parse_sparse_rows(opt.sparse_rows);
   return lo;
 }
 

@@ -35,8 +35,9 @@ struct RunOptions {
   std::string save;
   bool json = false;
   bool quiet = false;
-  int64_t max_workspace_mb = 0;  // LayerOptions::max_workspace_bytes in MiB; 0: no limit
-  int dcp = 0;                   // > 0: context parallelism over this many GPUs (tools/dcp_command)
+  int64_t max_workspace_mb = 0;      // LayerOptions::max_workspace_bytes in MiB; 0: no limit
+  std::string sparse_rows = "auto";  // LayerOptions::sparse_rows: auto | pool | staged
+  int dcp = 0;  // > 0: context parallelism over this many GPUs (tools/dcp_command)
 };
 
 // Returns the process exit code; throws dsakit::Error for bad input.

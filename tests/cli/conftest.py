@@ -19,6 +19,7 @@ def run(dsakit):
         env = dict(os.environ)
         env.pop("DSAKIT_DISPATCH", None)
         env.pop("DSAKIT_DENSE_KV_LEN_THRESHOLD", None)
+        env.pop("DSAKIT_SPARSE_ROWS", None)
         p = subprocess.run([str(dsakit), *map(str, args)], capture_output=True, text=True,
                            timeout=timeout, env=env)
         assert p.returncode >= 0, f"dsakit died by signal {-p.returncode}: {p.stderr}"

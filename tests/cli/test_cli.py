@@ -187,6 +187,23 @@ def test_run_fp8_weights_verify(run, kv):
     assert "up_proj_kv" in stages and ("gather" in stages) == (kv == "bf16"), stages
 
 
+def test_run_sparse_rows(run):
+    """--sparse-rows staged: the sparse path reads a bf16 copy of the context rows (stage
+    stage_rows) and still matches the float64 reference; pool reads the pool; a pool whose values
+    bf16 does not hold (amax scales) refuses staged."""
+    args = ["run", "--device", "cpu", "--tp", "8", "--kv", "fp8", "--prompts", "260,90",
+            "--prefix", "120,0", "--dispatch", "sparse", "--verify", "--verify-tokens", "12",
+            "--json"]
+    for rows in ("staged", "pool"):
+        p = run(*args, "--sparse-rows", rows)
+        assert p.returncode == 0, p.stdout + p.stderr
+        report = json.loads(p.stdout)
+        assert report["verify"]["pass"], report["verify"]
+        assert ("stage_rows" in report["stages_ms"]) == (rows == "staged"), report["stages_ms"]
+    p = run(*args, "--sparse-rows", "staged", "--scale-policy", "amax")
+    assert p.returncode == 2 and "sparse_rows staged" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["run", "--prompts", "abc"], "--prompts"),
     (["run", "--prompts", "100,-5"], "--prompts"),
@@ -198,6 +215,7 @@ def test_run_fp8_weights_verify(run, kv):
     (["run", "--tp", "3"], "tp"),
     (["run", "--model", "no/such/config.json"], "deepseek-v3.2"),
     (["run", "--dispatch", "fastest"], "dispatch"),
+    (["run", "--sparse-rows", "copy"], "sparse rows"),
     (["run", "--device", "tpu"], "device"),
     (["run", "--threshold", "5000"], "approximation"),
     (["run", "--no-such-flag"], "no-such-flag"),
