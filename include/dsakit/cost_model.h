@@ -32,7 +32,7 @@ enum class AttentionPath : uint8_t;
 // units); the revision when the kernels change speed enough that old profiles would mislead
 // (what each revision changed: docs/dispatch.md, cost mode).
 inline constexpr int kCostProfileFormat = 2;  // 2: samples stored, local correction
-inline constexpr int kCostKernelRevision = 16;
+inline constexpr int kCostKernelRevision = 17;
 
 // The terms of the table above; names as written in profiles.
 enum class CostTerm : uint8_t { kOne, kR, kT, kN, kTH, kNH, kCH, kKH, kCHi };
