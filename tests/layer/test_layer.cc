@@ -4,6 +4,7 @@
 // and rejected calls that leave the pools untouched.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -470,6 +471,16 @@ TEST_P(LayerTest, StagedRowsByDefaultWhereTheyPay) {
         [&] { use_sparse_rows(bad, ScalePolicy::kAmax, 0.75f, SparseRows::kStaged); },
         "sparse_rows staged", ErrorKind::kInvalidArgument);
   }
+
+  // DSAKIT_SPARSE_ROWS overrides the option when a layer is made; a bad value names it.
+  ::setenv("DSAKIT_SPARSE_ROWS", "pool", 1);
+  use_sparse_rows(h, ScalePolicy::kPow2, 1.0f, SparseRows::kStaged);
+  EXPECT_EQ(h.layer->options().sparse_rows, SparseRows::kPool);
+  ::setenv("DSAKIT_SPARSE_ROWS", "copy", 1);
+  testing::expect_error_naming(
+      [&] { use_sparse_rows(h, ScalePolicy::kPow2, 1.0f, SparseRows::kAuto); },
+      "DSAKIT_SPARSE_ROWS", ErrorKind::kInvalidArgument);
+  ::unsetenv("DSAKIT_SPARSE_ROWS");
 }
 
 // Two requests share a cached prefix's pages (declared); the second's result equals its fresh run.
