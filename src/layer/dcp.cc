@@ -13,6 +13,7 @@
 #include <exception>
 #include <thread>
 
+#include "dsakit/cost_model.h"
 #include "dsakit/dcp.h"
 #include "dsakit/error.h"
 #include "src/core/validate.h"
@@ -56,6 +57,7 @@ DcpRank::DcpRank(ModelConfig config, Backend& backend, DcpComm& comm, const KvPo
   for (const int32_t len : max_lengths_)
     DSAKIT_CHECK_ARG(len >= 0, "dcp max_lengths: expected >= 0, got ", len);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();
+  options_.sparse_rows = detail::resolve_sparse_rows(kv_, options_.sparse_rows);
   std::vector<int32_t> local(max_lengths_.size());
   for (size_t r = 0; r < local.size(); ++r)
     local[r] = dcp_owned_positions(max_lengths_[r], rank(), world());
@@ -140,7 +142,16 @@ LayerResult DcpRank::forward(const Batch& batch, const LayerInputs& in,
   // local row, and per token the local row range it sees.
   std::vector<int32_t> kv_locs, row_pos, cu_kv(static_cast<size_t>(b) + 1, 0),
       visible(static_cast<size_t>(t)), kv_start(static_cast<size_t>(t));
-  // Global positions (gi.kv_locs order) -> this rank's locations, -1 where another rank owns it.
+  // Global positions (gi.kv_locs order) -> this rank's locations, -1 where another rank owns it;
+  // with staged rows (docs/layer.md#staged-rows), -> the owned row's index in kv_locs instead.
+  // This rank owns its rows of every request and reads about 1/world of the batch's
+  // Σ_t min(ctx_t, k) selected slots.
+  int64_t owned_rows = 0;
+  for (int r = 0; r < b; ++r)
+    owned_rows += dcp_owned_positions(gi.cu_kv[size_t(r) + 1] - gi.cu_kv[size_t(r)], w, world);
+  const bool staged =
+      !dense && detail::stage_sparse_rows(be, kv_, options_.sparse_rows, double(owned_rows),
+                                          CostFeatures::of(batch, c).ctx_topk / world);
   std::vector<int32_t> global_locs;
   for (int r = 0; r < b; ++r) {
     const int32_t len = gi.cu_kv[size_t(r) + 1] - gi.cu_kv[size_t(r)];
@@ -152,7 +163,9 @@ LayerResult DcpRank::forward(const Batch& batch, const LayerInputs& in,
     }
     cu_kv[size_t(r) + 1] = cu_kv[size_t(r)] + n;
     for (int32_t p = 0; p < len; ++p)
-      global_locs.push_back(p % world == w ? int32_t(location_of(table, ps, p / world)) : -1);
+      global_locs.push_back(p % world != w ? -1
+                            : staged       ? cu_kv[size_t(r)] + p / world
+                                           : int32_t(location_of(table, ps, p / world)));
   }
   std::vector<int32_t> cand_start(static_cast<size_t>(t)), cand_len(static_cast<size_t>(t));
   for (int64_t i = 0; i < t; ++i) {
@@ -231,7 +244,10 @@ LayerResult DcpRank::forward(const Batch& batch, const LayerInputs& in,
       comm_.all_gather(be, positions, all_positions);
     });
     stage("merge_topk", [&] { be.merge_topk(all_scores, all_positions, k, res.topk); });
-    // The selected positions this rank owns -> its pool locations (-1 elsewhere).
+    // The selected positions this rank owns -> its pool locations, or the rows of its staged
+    // copy (-1 elsewhere).
+    PagedKvPool rows;
+    if (staged) rows = detail::stage_rows(be, kv_, d_kv_locs, stage);
     const Tensor locs = be.empty(DType::kI32, {t, k});
     stage("topk_to_locations", [&] {
       be.positions_to_locations(res.topk, d_global_locs, d_token_kv_start, d_ctx_len, locs);
@@ -239,7 +255,8 @@ LayerResult DcpRank::forward(const Batch& batch, const LayerInputs& in,
     const Tensor q_abs = be.empty(mid, {t, h, dc});
     stage("absorb_q", [&] { be.absorb_q(in.q_nope, kv_b_proj_, c.v_head_dim, q_abs); });
     const Tensor o_lat = be.empty(mid, {t, h, dc});
-    detail::sparse_attention(be, sm_scale_, kv_, q_abs, in.q_pe, locs, o_lat, lse_part, stage);
+    detail::sparse_attention(be, sm_scale_, staged ? rows : kv_, q_abs, in.q_pe, locs, o_lat,
+                             lse_part, stage);
     stage("up_proj_v", [&] { be.up_proj_v(o_lat, kv_b_proj_, c.qk_nope_head_dim, o_part); });
   }
 

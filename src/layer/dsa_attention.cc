@@ -83,14 +83,7 @@ DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv
                    "max_workspace_bytes: expected >= 0 (0: no limit), got ",
                    options_.max_workspace_bytes);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();
-  if (const char* v = std::getenv("DSAKIT_SPARSE_ROWS"); v && *v) {
-    try {
-      options_.sparse_rows = parse_sparse_rows(v);
-    } catch (const Error& e) {
-      DSAKIT_FAIL(kInvalidArgument, "DSAKIT_SPARSE_ROWS: ", e.what());
-    }
-  }
-  detail::check_sparse_rows(kv_pool_, options_.sparse_rows);
+  options_.sparse_rows = detail::resolve_sparse_rows(kv_pool_, options_.sparse_rows);
   set_policy(options_.policy);
 }
 

@@ -1,5 +1,8 @@
 #include "src/layer/paths.h"
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "dsakit/cost_model.h"
 #include "dsakit/error.h"
 
@@ -114,21 +117,27 @@ bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
          cu_q == cu_kv;
 }
 
+bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option, double rows,
+                       double reads) {
+  if (pool.layout() == KvLayout::kBf16 || option == SparseRows::kPool) return false;
+  if (option == SparseRows::kStaged) return true;  // resolve_sparse_rows() checked the pool
+  return be.capabilities().sparse_prefers_bf16_rows && bf16_holds_pool_values(pool.desc()) &&
+         rows > 0 && reads >= kStagedRowMinReads * rows;
+}
+
 bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option,
                        const Batch& batch, const ModelConfig& c) {
-  if (pool.layout() == KvLayout::kBf16 || option == SparseRows::kPool) return false;
-  if (option == SparseRows::kStaged) return true;  // check_sparse_rows() held at construction
-  const double rows = double(batch.total_kv_len());
-  return be.capabilities().sparse_prefers_bf16_rows && bf16_holds_pool_values(pool.desc()) &&
-         rows > 0 && CostFeatures::of(batch, c).ctx_topk >= kStagedRowMinReads * rows;
+  return stage_sparse_rows(be, pool, option, double(batch.total_kv_len()),
+                           CostFeatures::of(batch, c).ctx_topk);
 }
 
 namespace {
+// A bf16 pool of max(n, 1) rows (a pool has at least one page), location r = row r.
 KvPoolDesc staged_rows_desc(const KvPoolDesc& pool, int64_t n) {
   KvPoolDesc d;
   d.layout = KvLayout::kBf16;
-  d.page_size = 1;  // row r is location r
-  d.num_pages = n;
+  d.page_size = 1;
+  d.num_pages = std::max<int64_t>(n, 1);
   d.d_c = pool.d_c;
   d.d_rope = pool.d_rope;
   return d;
@@ -136,14 +145,39 @@ KvPoolDesc staged_rows_desc(const KvPoolDesc& pool, int64_t n) {
 }  // namespace
 
 int64_t staged_rows_bytes(const KvPoolDesc& pool, int64_t n) {
-  return n * staged_rows_desc(pool, n).bytes_per_token();
+  const KvPoolDesc d = staged_rows_desc(pool, n);
+  return d.num_locations() * d.bytes_per_token();
 }
 
-void check_sparse_rows(const PagedKvPool& pool, SparseRows option) {
+SparseRows resolve_sparse_rows(const PagedKvPool& pool, SparseRows option) {
+  if (const char* v = std::getenv("DSAKIT_SPARSE_ROWS"); v && *v) {
+    try {
+      option = parse_sparse_rows(v);
+    } catch (const Error& e) {
+      DSAKIT_FAIL(kInvalidArgument, "DSAKIT_SPARSE_ROWS: ", e.what());
+    }
+  }
   DSAKIT_CHECK_ARG(option != SparseRows::kStaged || bf16_holds_pool_values(pool.desc()),
                    "sparse_rows staged: a bf16 copy holds this pool's values only for pow2 "
                    "tile scales or a power-of-two k_scale; the pool is ",
                    pool.desc().summary(), " (use 'pool' or 'auto')");
+  return option;
+}
+
+PagedKvPool stage_rows(Backend& be, const PagedKvPool& pool, const TensorView& kv_locs,
+                       const StageFn& stage) {
+  const int64_t n = kv_locs.shape[0];
+  const KvPoolDesc d = staged_rows_desc(pool.desc(), n);
+  PagedKvPool rows(d, be.empty(DType::kU8, {d.num_locations(), d.bytes_per_token()}));
+  // c_kv and k_pe: the two column ranges of the first n rows (bf16 [n, d_c + d_rope]).
+  TensorView c_kv =
+      make_view(rows.storage().data, DType::kBF16, be.device(), {n, int64_t(d.d_c) + d.d_rope});
+  TensorView k_pe = c_kv;
+  c_kv.shape[1] = d.d_c;
+  k_pe.shape[1] = d.d_rope;
+  k_pe.data = static_cast<bf16_t*>(c_kv.data) + d.d_c;
+  stage("stage_rows", [&] { be.gather_kv(pool, kv_locs, c_kv, k_pe); });
+  return rows;
 }
 
 void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& kv_pool,
@@ -159,21 +193,10 @@ void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const Paged
   layout.kv_start = dev.kv_start;
   layout.ctx_len = dev.ctx_len;
   stage("indexer_topk", [&] { be.indexer_topk(in.idx_q, in.idx_w, layout, k, topk); });
-  // Staged: the context rows in kv_locs order, as a bf16 pool whose location r is row r; the
-  // positions then map to rows by the identity (kv_start + pos).
+  // Staged: the context rows in kv_locs order; the positions then map to their rows by the
+  // identity (kv_start + pos).
   PagedKvPool rows;
-  if (staged_rows) {
-    const int64_t n = dev.kv_locs.shape[0];
-    const KvPoolDesc d = staged_rows_desc(kv_pool.desc(), n);
-    rows = PagedKvPool(d, be.empty(DType::kU8, {n, d.bytes_per_token()}));
-    TensorView c_kv =
-        make_view(rows.storage().data, DType::kBF16, be.device(), {n, int64_t(d.d_c) + d.d_rope});
-    TensorView k_pe = c_kv;
-    c_kv.shape[1] = d.d_c;
-    k_pe.shape[1] = d.d_rope;
-    k_pe.data = static_cast<bf16_t*>(c_kv.data) + d.d_c;
-    stage("stage_rows", [&] { be.gather_kv(kv_pool, dev.kv_locs, c_kv, k_pe); });
-  }
+  if (staged_rows) rows = stage_rows(be, kv_pool, dev.kv_locs, stage);
   Tensor locs = be.empty(DType::kI32, {t, k});
   stage("topk_to_locations", [&] {
     be.positions_to_locations(topk, staged_rows ? TensorView{} : dev.kv_locs, dev.kv_start,

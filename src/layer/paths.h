@@ -81,13 +81,22 @@ bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
 // least kStagedRowMinReads times on average (Σ_t min(ctx_t, k) >= kStagedRowMinReads · N): a
 // prefill reads a row up to k times, a decode step about once.
 inline constexpr double kStagedRowMinReads = 32;
+// Whether a sparse call that reads `reads` (token, slot) pairs of `rows` copied rows stages them.
+bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option, double rows,
+                       double reads);
+// The same for a batch of the layer: N = its positions, reads = Σ_t min(ctx_t, k).
 bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option,
                        const Batch& batch, const ModelConfig& c);
 // Workspace of the staged rows of n context rows of `pool`.
 int64_t staged_rows_bytes(const KvPoolDesc& pool, int64_t n);
-// Throws Error(kInvalidArgument) when `option` is kStaged and bf16 does not hold the pool's
-// values (the layer's constructor: nothing is stored before).
-void check_sparse_rows(const PagedKvPool& pool, SparseRows option);
+// A layer's option as it runs (DSAKIT_SPARSE_ROWS overrides it; a bad value is an error naming
+// the variable), checked against the pool: Error(kInvalidArgument) when it is kStaged and bf16
+// does not hold the pool's values. Layers call it when made, before anything is stored.
+SparseRows resolve_sparse_rows(const PagedKvPool& pool, SparseRows option);
+// The rows of `pool` at kv_locs (i32 [n] on the device), in that order, as a bf16 pool whose
+// location r is row r (timed as stage "stage_rows").
+PagedKvPool stage_rows(Backend& be, const PagedKvPool& pool, const TensorView& kv_locs,
+                       const StageFn& stage);
 
 // Sparse MLA of the T new tokens `dev` indexes: the indexer's top-k positions (into topk i32
 // [T, index_topk], ascending, -1 padded), positions -> pool locations (or, with staged_rows, the

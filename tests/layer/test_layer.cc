@@ -729,6 +729,51 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
   }
 }
 
+// docs/layer.md#staged-rows under DCP: each rank copies the rows it owns, its selected positions
+// map to their rows in the copy, and the ranks' outputs are those of reading their pools — the
+// same bits (a pow2 656-byte pool: the same values, the same arithmetic) and the same top-k.
+TEST_P(LayerTest, DcpStagedRowsEqualPoolRows) {
+  for (int world : {2, 4}) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(::testing::Message() << "W=" << world << " seed " << seed);
+    const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 32);
+    const std::vector<int32_t> prompt = {90, 45}, len = {92, 47};
+    Harness h(c, GetParam(), KvLayout::kFp8Scaled, 16, len, seed, DispatchMode::kSparse);
+    KvPoolDesc pd = h.kd;
+    pd.scale_policy = ScalePolicy::kPow2;
+    pd.num_pages = 8;
+    std::vector<uint64_t> sums[2];
+    for (SparseRows rows : {SparseRows::kPool, SparseRows::kStaged}) {
+      LayerOptions o;
+      o.output_dtype = bf16_mid(h) ? DType::kBF16 : DType::kF32;
+      o.policy.mode = DispatchMode::kSparse;
+      o.time_stages = true;
+      o.sparse_rows = rows;
+      DcpSimulation dcp(c, *h.be, world, pd, len, h.w, o);
+      for (int step = 0; step < 3; ++step) {  // the prompts, then one token each
+        Batch batch;
+        std::vector<int64_t> token_rows;
+        for (int r = 0; r < 2; ++r) {
+          const int32_t from = step == 0 ? 0 : prompt[size_t(r)] + step - 1;
+          const int32_t to = step == 0 ? prompt[size_t(r)] : from + 1;
+          batch.prefix_lens.push_back(from);
+          batch.extend_lens.push_back(to - from);
+          for (int32_t p = from; p < to; ++p) token_rows.push_back((r ? len[0] : 0) + p);
+        }
+        const LayerResult res = dcp.forward(batch, h.tokens.slice(*h.be, token_rows).view());
+        bool staged = false;
+        for (const StageTime& st : res.stages) staged |= st.stage == "stage_rows";
+        EXPECT_EQ(staged, rows == SparseRows::kStaged) << "step " << step;
+        auto& out = sums[rows == SparseRows::kStaged];
+        out.push_back(testing::checksum(h.be->to_host(res.o)));
+        out.push_back(testing::checksum(h.be->to_host(res.lse)));
+        out.push_back(testing::checksum(h.be->to_host(res.topk)));
+      }
+    }
+    EXPECT_EQ(sums[0], sums[1]);
+  }
+}
+
 // Chunked prefill under DCP: steps whose batches hold a subset of the requests (the rest are
 // done), found by their request ids; equal to the single rank's chunked run, top-k sets identical.
 // A rejected call (a request beyond its max length) throws on every rank without a hang and
