@@ -58,7 +58,7 @@ __device__ __forceinline__ void load4(const float* src, float (&v)[4]) {
   v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
 }
 __device__ __forceinline__ void load4(const bf16_t* src, float (&v)[4]) {
-  load_bf16x4(src, v);
+  load_bf16x4_aligned(src, v);  // kVec4: every run of four starts 8-byte aligned
 }
 
 // Output values [out, out + 4) (16-byte aligned f32 / 8-byte aligned bf16).

@@ -176,15 +176,20 @@ __device__ __forceinline__ float dequantize_e4m3_like_host(uint8_t code, float s
   return host_mul(e4m3_to_f32(code), s);
 }
 
-// Four consecutive bf16 values as floats; one 8-byte load when p is 8-byte aligned (the usual
-// case: tensors come from 256-byte aligned blocks and rows are multiples of 8 bytes).
+// Four consecutive bf16 values p[0..3] as floats by one 8-byte load: p must be 8-byte aligned.
+__device__ __forceinline__ void load_bf16x4_aligned(const bf16_t* p, float (&v)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);  // little-endian: element 0 is low
+  v[0] = f32_from_bits(raw.x << 16);
+  v[1] = f32_from_bits(raw.x & 0xFFFF0000u);
+  v[2] = f32_from_bits(raw.y << 16);
+  v[3] = f32_from_bits(raw.y & 0xFFFF0000u);
+}
+
+// The same for any p; one 8-byte load when p is 8-byte aligned (the usual case: tensors come
+// from 256-byte aligned blocks and rows are multiples of 8 bytes).
 __device__ __forceinline__ void load_bf16x4(const bf16_t* p, float (&v)[4]) {
   if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);  // little-endian: element 0 is low
-    v[0] = f32_from_bits(raw.x << 16);
-    v[1] = f32_from_bits(raw.x & 0xFFFF0000u);
-    v[2] = f32_from_bits(raw.y << 16);
-    v[3] = f32_from_bits(raw.y & 0xFFFF0000u);
+    load_bf16x4_aligned(p, v);
   } else {
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = bf16_to_f32(p[j]);
