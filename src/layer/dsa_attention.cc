@@ -203,6 +203,7 @@ struct PreparedBatch::State {
   Plan plan;
   BatchIndex bi;
   std::vector<const PlanSegment*> runs;  // into plan.segments
+  std::vector<Batch> run_batch;          // the requests of each run
   std::vector<BatchIndex> run_bi;
   std::vector<detail::DeviceBatchIndex> dev;
 
@@ -215,8 +216,8 @@ struct PreparedBatch::State {
         if (bi.cu_q[size_t(s.first_request)] == bi.cu_q[size_t(s.first_request + s.num_requests)])
           continue;  // no new tokens
         runs.push_back(&s);
-        run_bi.push_back(
-            BatchIndex::build(batch.slice(s.first_request, s.num_requests), page_size));
+        run_batch.push_back(batch.slice(s.first_request, s.num_requests));
+        run_bi.push_back(BatchIndex::build(run_batch.back(), page_size));
       }
     std::vector<const BatchIndex*> host_index{&bi};
     for (const BatchIndex& x : run_bi) host_index.push_back(&x);
@@ -353,8 +354,8 @@ LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInpu
     rows.idx_q = slice_rows(in.idx_q, r0, r1);
     rows.idx_k = slice_rows(in.idx_k, r0, r1);
     rows.idx_w = slice_rows(in.idx_w, r0, r1);
-    run_path(s.path, state.batch.slice(s.first_request, s.num_requests), state.run_bi[i],
-             state.dev[i + 1], rows, slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
+    run_path(s.path, state.run_batch[i], state.run_bi[i], state.dev[i + 1], rows,
+             slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
              s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{},
              stage);
   }
