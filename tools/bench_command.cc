@@ -171,6 +171,7 @@ int bench_command(const BenchOptions& o) {
   const DispatchPolicy base = bench_policy(o.profile);
   LayerBenchOptions lb_options;
   lb_options.fp8_weights = o.fp8_weights;
+  lb_options.sparse_rows = parse_sparse_rows(o.sparse_rows);
   const std::string json_path =
       !o.json.empty() ? o.json : (!o.plot.empty() ? o.plot + ".json" : std::string());
 

@@ -21,7 +21,8 @@ struct BenchOptions {
   int min_runs = 5;         // ... and at least
   double budget_ms = 1000;  // per shape: stop adding runs once spent (after min_runs)
   bool stages = true;
-  bool fp8_weights = false;  // kv_b_proj also in FP8 form (fp8 / fp8-raw pools' dense path)
+  bool fp8_weights = false;          // kv_b_proj also in FP8 form (fp8 / fp8-raw pools' dense path)
+  std::string sparse_rows = "auto";  // LayerOptions::sparse_rows: auto | pool | staged
   std::string json, plot, plot_format = "png";
   uint64_t seed = 1;
   bool quiet = false;

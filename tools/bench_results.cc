@@ -48,12 +48,19 @@ json bench_row(const LayerBench& bench, const BenchShape& shape,
   const Batch& batch = bench.batch();
   const KvLayout layout = bench.layout();
   const CostFeatures f = CostFeatures::of(batch, cfg);
-  json row = {{"group", bench.group()},      {"weights", bench.fp8_weights() ? "fp8" : "bf16"},
-              {"config", cfg.name},          {"heads", cfg.num_heads},
-              {"layout", to_string(layout)}, {"index_topk", cfg.index_topk},
-              {"kind", shape.kind},          {"label", shape.label()},
-              {"prefix", shape.prefix},      {"extend", shape.extend},
-              {"tokens", shape.tokens()},    {"kv", int64_t(f.positions)},
+  json row = {{"group", bench.group()},
+              {"weights", bench.fp8_weights() ? "fp8" : "bf16"},
+              {"sparse_rows", to_string(bench.sparse_rows())},
+              {"config", cfg.name},
+              {"heads", cfg.num_heads},
+              {"layout", to_string(layout)},
+              {"index_topk", cfg.index_topk},
+              {"kind", shape.kind},
+              {"label", shape.label()},
+              {"prefix", shape.prefix},
+              {"extend", shape.extend},
+              {"tokens", shape.tokens()},
+              {"kv", int64_t(f.positions)},
               {"max_len", shape.max_len()}};
   json jm = json::object();
   for (size_t i = 0; i < used.size(); ++i) {

@@ -19,8 +19,9 @@ nlohmann::json bench_document(const Backend& backend, const Backend::Ceilings& c
                               const DispatchPolicy& policy, const BenchOptions& options);
 
 // One shape's row (the shape `bench` has prepared): its group (LayerBench::group), the layers'
-// weights, the shape, each mode's timing with its path, FLOP rate and share of the GEMM ceiling,
-// and the oracle (faster exact whole-batch path measured) with the speed-ups over it.
+// weights and sparse rows, the shape, each mode's timing with its path, FLOP rate and share of
+// the GEMM ceiling, and the oracle (faster exact whole-batch path measured) with the speed-ups
+// over it.
 nlohmann::json bench_row(const LayerBench& bench, const BenchShape& shape,
                          const std::vector<DispatchMode>& modes,
                          const std::vector<PolicyTiming>& timings, double gemm_tflops);

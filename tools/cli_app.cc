@@ -300,6 +300,12 @@ int run_cli(int argc, char** argv) {
                   "block-scaled e4m3): on fp8 and fp8-raw pools the dense path's K/V "
                   "up-projection then reads the pool's codes in one FP8 GEMM (groups marked w8); "
                   "bf16 pools run as without it");
+  bench
+      ->add_option("--sparse-rows", bo.sparse_rows,
+                   "How the sparse path reads fp8 / fp8-raw pools, as for dsakit run: auto, pool "
+                   "or staged (groups marked pool / staged where not auto); DSAKIT_SPARSE_ROWS "
+                   "overrides it")
+      ->capture_default_str();
   bench->add_option("--seed", bo.seed, "Seed of the random inputs")->capture_default_str();
   bench->add_flag("--quiet", bo.quiet, "No progress line");
   bench->add_option("--dcp", bo.dcp,

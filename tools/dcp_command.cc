@@ -227,6 +227,7 @@ int bench_dcp_command(const BenchOptions& bo) {
         ro.kv = kv;
         KvPoolDesc kd = run_pool_desc(ro, cfg);
         LayerOptions lo;
+        lo.sparse_rows = parse_sparse_rows(bo.sparse_rows);
         Batch batch;
         batch.prefix_lens = {0};
         batch.extend_lens = {t};

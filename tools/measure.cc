@@ -86,9 +86,17 @@ LayerBench::LayerBench(Backend& backend, ModelConfig config, KvLayout layout, ui
 
 LayerBench::~LayerBench() = default;
 
+SparseRows LayerBench::sparse_rows() const {
+  return state_ ? state_->sets.front()->layer->options().sparse_rows : options_.sparse_rows;
+}
+
 std::string LayerBench::group() const {
-  return fmt::format("{} H={} {}{}", config_.name, config_.num_heads, to_string(layout_),
-                     fp8_weights() ? " w8" : "");
+  const SparseRows rows = sparse_rows();
+  return fmt::format("{} H={} {}{}{}", config_.name, config_.num_heads, to_string(layout_),
+                     fp8_weights() ? " w8" : "",
+                     layout_ == KvLayout::kBf16 || rows == SparseRows::kAuto
+                         ? std::string()
+                         : std::string(" ") + to_string(rows));
 }
 
 const Batch& LayerBench::batch() const {
@@ -170,6 +178,7 @@ void LayerBench::prepare(const BenchShape& shape) {
     }
     LayerOptions o;
     if (fp8_weights()) o.kv_b_proj_fp8 = {st->w_codes, st->w_scales};
+    o.sparse_rows = options_.sparse_rows;
     set->layer = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
     o.time_stages = true;
     set->staged = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);

@@ -13,13 +13,16 @@ def dsakit(build_file) -> pathlib.Path:
 
 @pytest.fixture
 def run(dsakit):
-    """run(*args) -> CompletedProcess; never a signal (a crash fails the test)."""
+    """run(*args, env={...}) -> CompletedProcess; never a signal (a crash fails the test). The
+    environment's dispatch and sparse-rows overrides are dropped; `env` sets variables."""
 
-    def _run(*args, timeout=600):
+    def _run(*args, timeout=600, env=None):
+        extra = env or {}
         env = dict(os.environ)
         env.pop("DSAKIT_DISPATCH", None)
         env.pop("DSAKIT_DENSE_KV_LEN_THRESHOLD", None)
         env.pop("DSAKIT_SPARSE_ROWS", None)
+        env.update(extra)
         p = subprocess.run([str(dsakit), *map(str, args)], capture_output=True, text=True,
                            timeout=timeout, env=env)
         assert p.returncode >= 0, f"dsakit died by signal {-p.returncode}: {p.stderr}"

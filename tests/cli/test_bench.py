@@ -79,6 +79,31 @@ def test_bench_fp8_weights(run, tmp_path):
     assert "fp8 w8" in p.stdout
 
 
+def test_bench_sparse_rows(run, tmp_path):
+    """--sparse-rows staged: the fp8 pool's sparse path copies its rows first (a stage_rows
+    stage, the group marked staged); DSAKIT_SPARSE_ROWS overrides the flag, as for every layer;
+    the bf16 pool's group is unmarked."""
+    args = ["bench", "--device", "cpu", "--threads", "2", "--models", "deepseek-v3.2:8",
+            "--kv", "fp8,bf16", "--grid", "quick", "--fresh", "128", "--prefixes", "384",
+            "--extends", "1", "--no-mixed", "--modes", "sparse", *FAST, "--sparse-rows", "staged",
+            "--quiet"]
+    for env, rows in [({}, "staged"), ({"DSAKIT_SPARSE_ROWS": "pool"}, "pool")]:
+        out = tmp_path / f"{rows}.json"
+        p = run(*args, "--json", out, env=env)
+        assert p.returncode == 0, p.stderr
+        doc = load(out)
+        assert [r["group"] for r in doc["rows"]] == 2 * ["deepseek-v3.2 H=16 fp8 " + rows] + \
+            2 * ["deepseek-v3.2 H=16 bf16"]
+        for r in doc["rows"]:
+            sparse = r["modes"]["sparse"]
+            assert sparse["path"] == "sparse_mla" and sparse["ms"] > 0
+            staged = r["layout"] == "fp8" and rows == "staged"
+            assert ("stage_rows" in sparse["stages"]) == staged
+            assert r["sparse_rows"] == rows
+    p = run("bench", "--device", "cpu", "--kv", "fp8", "--sparse-rows", "copy")
+    assert p.returncode == 2 and "sparse rows" in p.stderr, p.stderr
+
+
 def test_calibrated_profile_drives_cost_mode(run, profile, tmp_path):
     doc = load(profile)
     assert doc["format"] == "dsakit-cost-profile"
