@@ -35,9 +35,7 @@ class CudaAttention : public ::testing::Test {
   }
   Tensor to_dev(const Tensor& host) { return backend_->to_device(host.view()); }
   Tensor poisoned(DType dtype, const std::vector<int64_t>& shape) {
-    Tensor t = backend_->empty(dtype, shape);
-    backend_->poison(t.view());
-    return t;
+    return testing::poisoned(*backend_, dtype, shape);
   }
   std::unique_ptr<Backend> backend_;
 };

@@ -94,9 +94,7 @@ class CudaBackendTest : public ::testing::Test {
   Rng& rng() { return *rng_; }
 
   Tensor poisoned(DType dtype, const std::vector<int64_t>& shape) {
-    Tensor t = gpu_->empty(dtype, shape);
-    gpu_->poison(t.view());
-    return t;
+    return testing::poisoned(*gpu_, dtype, shape);
   }
 
   uint64_t seed_ = 0;
