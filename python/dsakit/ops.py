@@ -177,8 +177,7 @@ def dequantize_kv_fp8(packed, layout="v32_656", k_scale=1.0, dtype="bf16", *, ou
                       stream=None):
     """FlashMLA's dequantize_k_cache: [..., 656] (or raw [..., 576]) FP8 tokens -> [..., 576] bf16
     (or f32 with dtype='f32'): code x scale for the latent part, the rope as stored. Runs gather_kv
-    over a page-size-1 pool laid on `packed`, into two contiguous scratch arrays that are then
-    copied into the output's columns."""
+    over a page-size-1 pool laid on `packed`, straight into the output's two column ranges."""
     if A.is_torch(packed) and out is None and stream is None and _compiling():
         return _torch_op("dequantize_kv_fp8")(packed, layout, float(k_scale), dtype)
     return _dequantize_kv_fp8(packed, layout, k_scale, dtype, out, stream)
@@ -198,11 +197,8 @@ def _dequantize_kv_fp8_on_stream(packed, layout, k_scale, dtype, out, stream):
         n *= d
     if out is None:
         out = A.empty(packed, s[:-1] + (576,), dtype)
-    c = A.empty(packed, (n, 512), dtype)
-    pe = A.empty(packed, (n, 64), dtype)
-    packed_, out_, locs, c, pe = A.dl(packed, A.plain(out), A.arange(packed, n), c, pe)
-    _C.ops.dequantize_kv(packed_, out_, name, float(k_scale), locs, c, pe,
-                         A.stream_of(stream, packed))
+    packed_, out_, locs = A.dl(packed, A.plain(out), A.arange(packed, n))
+    _C.ops.dequantize_kv(packed_, out_, name, float(k_scale), locs, A.stream_of(stream, packed))
     return out
 
 

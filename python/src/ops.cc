@@ -259,38 +259,31 @@ void quantize_kv(nb::handle kv_obj, nb::handle packed_obj, const std::string& la
 }
 
 void dequantize_kv(nb::handle packed_obj, nb::handle out_obj, const std::string& layout,
-                   float k_scale, nb::handle locs_obj, nb::handle c_obj, nb::handle pe_obj,
-                   std::optional<uint64_t> stream) {
+                   float k_scale, nb::handle locs_obj, std::optional<uint64_t> stream) {
   const Arg packed = arg(packed_obj, "packed"), out = arg(out_obj, "out", true),
-            locs = arg(locs_obj, "locs"), c = arg(c_obj, "c_kv scratch", true),
-            pe = arg(pe_obj, "k_pe scratch", true);
+            locs = arg(locs_obj, "locs");
   const DeviceRef dev = packed.device;
-  check_same_device(dev, {&out, &locs, &c, &pe});
+  check_same_device(dev, {&out, &locs});
   KvPoolDesc d = row_pool_desc(layout, "amax", k_scale, 1);
   const TensorView prow = contiguous_rows(packed.view, "packed", d.bytes_per_token());
   const int64_t n = prow.shape[0];
   DSAKIT_CHECK_ARG(out.view.shape[size_t(out.view.ndim - 1)] == kDqk,
                    "out: expected a last dim of ", kDqk, ", got shape ", out.view.shape_str());
+  DSAKIT_CHECK_ARG(out.view.dtype == DType::kBF16 || out.view.dtype == DType::kF32,
+                   "out: expected dtype bf16 or f32, got ", to_string(out.view.dtype));
   const TensorView orow = as_rows(out.view, "out");
   DSAKIT_CHECK_ARG(orow.shape[0] == n, "out: expected ", n, " rows, got shape ",
                    out.view.shape_str());
   if (n == 0) return;
   d.num_pages = n;
   const PagedKvPool pool(d, borrowed(prow));
-  check_tensor(c.view, "c_kv scratch", {DType::kBF16, DType::kF32}, dev.type, {n, kDc});
-  check_tensor(pe.view, "k_pe scratch", {DType::kBF16, DType::kF32}, dev.type, {n, kDrope});
-  DSAKIT_CHECK_ARG(c.view.dtype == out.view.dtype && pe.view.dtype == out.view.dtype,
-                   "out: scratch and output dtypes differ");
+  check_tensor(locs.view, "locs", DType::kI32, dev.type, {n});
   BackendSlot& slot = backend_for(dev);
   nb::gil_scoped_release nogil;
   Call call(slot, stream);
-  {
-    NoValueChecks unchecked(call.be);  // locs is 0 … n-1, made by the Python side
-    call.be.gather_kv(pool, locs.view, c.view, pe.view);
-  }
-  // gather_kv writes contiguous c_kv / k_pe: copied into the two column ranges of out.
-  copy_rows(call.be, rows_of(columns(orow, 0, kDc), "out"), rows_of(c.view, "c_kv"));
-  copy_rows(call.be, rows_of(columns(orow, kDc, kDqk), "out"), rows_of(pe.view, "k_pe"));
+  NoValueChecks unchecked(call.be);  // locs is 0 … n-1, made by the Python side
+  // Straight into the two column ranges of out (gather_kv takes row-strided outputs).
+  call.be.gather_kv(pool, locs.view, columns(orow, 0, kDc), columns(orow, kDc, kDqk));
 }
 
 // ---- DeepGEMM: fp8_mqa_logits through indexer_logits --------------------------------------------
@@ -571,8 +564,7 @@ void bind_ops(nb::module_& m) {
           "k_scale"_a, "locs"_a.none(), "c_scratch"_a.none(), "pe_scratch"_a.none(),
           "stream"_a.none());
   ops.def("dequantize_kv", &dequantize_kv, "packed"_a.none(), "out"_a.none(), "layout"_a,
-          "k_scale"_a, "locs"_a.none(), "c_scratch"_a.none(), "pe_scratch"_a.none(),
-          "stream"_a.none());
+          "k_scale"_a, "locs"_a.none(), "stream"_a.none());
   ops.def("mqa_logits", &mqa_logits, "q"_a.none(), "kv"_a.none(), "kv_scales"_a.none(),
           "weights"_a.none(), "ke"_a.none(), "logits"_a.none(), "kv_locs"_a.none(),
           "kv_start"_a.none(), "key_scratch"_a.none(), "stream"_a.none());

@@ -127,6 +127,17 @@ def test_quantize_and_dequantize_match_flashmla_byte_for_byte():
     assert np.array_equal(back.view(np.uint16), g["dequantized"].view(np.uint16))
 
 
+def test_dequantize_into_a_row_strided_out():
+    """out may be a row-strided view (rows of a wider array): the values land in its 576 columns,
+    bit for bit as FlashMLA dequantizes, and the columns beside them stay untouched."""
+    g, _ = ref.peer("fp8_656_pow2.safetensors")
+    wide = np.full((512, 600), np.nan, BF16)
+    back = dsakit.ops.dequantize_kv_fp8(g["packed"], out=wide[:, 16:592])
+    assert back.shape == (512, 576)
+    assert np.array_equal(wide[:, 16:592].view(np.uint16), g["dequantized"].view(np.uint16))
+    assert np.isnan(wide[:, :16].astype(F32)).all() and np.isnan(wide[:, 592:].astype(F32)).all()
+
+
 @pytest.mark.parametrize("layout,scales", [("v32_656", "amax"), ("v32_656", "pow2"),
                                            ("raw_576", "amax")])
 def test_quantize_random_against_reference(rng, layout, scales):
