@@ -212,7 +212,8 @@ class Backend {
 
   // ---- pool ---------------------------------------------------------------------------
   // Quantizes n tokens into their locations. locs: i32 [n], c_kv: bf16 [n, d_c],
-  // k_pe: bf16 [n, d_rope]. Locations must be distinct and in range.
+  // k_pe: bf16 [n, d_rope], each one's rows possibly strided (unit stride in the last dim), e.g.
+  // the two column ranges of one [n, d_c + d_rope] array. Locations must be distinct and in range.
   virtual void store_kv(PagedKvPool& pool, const TensorView& locs, const TensorView& c_kv,
                         const TensorView& k_pe) = 0;
   // Dequantizes n locations into c_kv [n, d_c] and k_pe [n, d_rope] (bf16 or f32). Each output's

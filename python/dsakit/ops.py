@@ -144,8 +144,7 @@ def quantize_kv_fp8(kv, layout="v32_656", scales="pow2", k_scale=1.0, *, out=Non
     [..., 656] uint8 FP8 tokens (layout v32_656: 512 e4m3 codes, four fp32 tile scales, the rope
     as bf16) or [..., 576] (raw_576: every value e4m3 of x / k_scale). scales: 'pow2' (FlashMLA's
     rule, byte for byte) or 'amax' (full e4m3 range). Runs the pool's store_kv over a page-size-1
-    pool laid on the output; the input's latent and rope columns are first copied into two
-    contiguous scratch arrays (store_kv reads contiguous c_kv / k_pe)."""
+    pool laid on the output, reading the input's latent and rope columns in place."""
     if A.is_torch(kv) and out is None and stream is None and _compiling():
         return _torch_op("quantize_kv_fp8")(kv, layout, scales, float(k_scale))
     return _quantize_kv_fp8(kv, layout, scales, k_scale, out, stream)
@@ -165,11 +164,8 @@ def _quantize_kv_fp8_on_stream(kv, layout, scales, k_scale, out, stream):
         n *= d
     if out is None:
         out = A.empty(kv, s[:-1] + (row,), "u8")
-    c = A.empty(kv, (n, 512), "bf16")
-    pe = A.empty(kv, (n, 64), "bf16")
-    kv_, out_, locs, c, pe = A.dl(kv, A.plain(out), A.arange(kv, n), c, pe)
-    _C.ops.quantize_kv(kv_, out_, name, scales, float(k_scale), locs, c, pe,
-                       A.stream_of(stream, kv))
+    kv_, out_, locs = A.dl(kv, A.plain(out), A.arange(kv, n))
+    _C.ops.quantize_kv(kv_, out_, name, scales, float(k_scale), locs, A.stream_of(stream, kv))
     return out
 
 

@@ -228,13 +228,12 @@ KvPoolDesc row_pool_desc(const std::string& layout, const std::string& scales, f
 }
 
 void quantize_kv(nb::handle kv_obj, nb::handle packed_obj, const std::string& layout,
-                 const std::string& scales, float k_scale, nb::handle locs_obj, nb::handle c_obj,
-                 nb::handle pe_obj, std::optional<uint64_t> stream) {
+                 const std::string& scales, float k_scale, nb::handle locs_obj,
+                 std::optional<uint64_t> stream) {
   const Arg kv = arg(kv_obj, "kv"), packed = arg(packed_obj, "packed", true),
-            locs = arg(locs_obj, "locs"), c = arg(c_obj, "c_kv scratch", true),
-            pe = arg(pe_obj, "k_pe scratch", true);
+            locs = arg(locs_obj, "locs");
   const DeviceRef dev = kv.device;
-  check_same_device(dev, {&packed, &locs, &c, &pe});
+  check_same_device(dev, {&packed, &locs});
   DSAKIT_CHECK_ARG(kv.view.dtype == DType::kBF16, "kv: expected dtype bf16, got ",
                    to_string(kv.view.dtype));
   DSAKIT_CHECK_ARG(kv.view.shape[size_t(kv.view.ndim - 1)] == kDqk, "kv: expected a last dim of ",
@@ -245,17 +244,13 @@ void quantize_kv(nb::handle kv_obj, nb::handle packed_obj, const std::string& la
   const KvPoolDesc d = row_pool_desc(layout, scales, k_scale, n);
   d.validate();
   PagedKvPool pool(d, borrowed(contiguous_rows(packed.view, "packed", d.bytes_per_token())));
-  check_tensor(c.view, "c_kv scratch", DType::kBF16, dev.type, {n, kDc});
-  check_tensor(pe.view, "k_pe scratch", DType::kBF16, dev.type, {n, kDrope});
   check_tensor(locs.view, "locs", DType::kI32, dev.type, {n});
   BackendSlot& slot = backend_for(dev);
   nb::gil_scoped_release nogil;
   Call call(slot, stream);
-  // store_kv takes contiguous c_kv / k_pe: the two column ranges of kv are copied out first.
-  copy_rows(call.be, rows_of(c.view, "c_kv"), rows_of(columns(rows, 0, kDc), "kv"));
-  copy_rows(call.be, rows_of(pe.view, "k_pe"), rows_of(columns(rows, kDc, kDqk), "kv"));
   NoValueChecks unchecked(call.be);  // locs is 0 … n-1, made by the Python side
-  call.be.store_kv(pool, locs.view, c.view, pe.view);
+  // Straight from the two column ranges of kv (store_kv takes row-strided inputs).
+  call.be.store_kv(pool, locs.view, columns(rows, 0, kDc), columns(rows, kDc, kDqk));
 }
 
 void dequantize_kv(nb::handle packed_obj, nb::handle out_obj, const std::string& layout,
@@ -561,8 +556,7 @@ void bind_ops(nb::module_& m) {
           "indices"_a.none(), "sm_scale"_a, "d_v"_a, "topk_length"_a.none(), "out"_a.none(),
           "lse"_a.none(), "stream"_a.none());
   ops.def("quantize_kv", &quantize_kv, "kv"_a.none(), "packed"_a.none(), "layout"_a, "scales"_a,
-          "k_scale"_a, "locs"_a.none(), "c_scratch"_a.none(), "pe_scratch"_a.none(),
-          "stream"_a.none());
+          "k_scale"_a, "locs"_a.none(), "stream"_a.none());
   ops.def("dequantize_kv", &dequantize_kv, "packed"_a.none(), "out"_a.none(), "layout"_a,
           "k_scale"_a, "locs"_a.none(), "stream"_a.none());
   ops.def("mqa_logits", &mqa_logits, "q"_a.none(), "kv"_a.none(), "kv_scales"_a.none(),

@@ -48,8 +48,8 @@ void store_kv(const PagedKvPool& pool, const TensorView& locs, const TensorView&
   const auto& d = pool.desc();
   check_tensor(locs, "locs", DType::kI32, dev, {-1});
   const int64_t n = locs.shape[0];
-  check_tensor(c_kv, "c_kv", DType::kBF16, dev, {n, d.d_c});
-  check_tensor(k_pe, "k_pe", DType::kBF16, dev, {n, d.d_rope});
+  check_strided_tensor(c_kv, "c_kv", {DType::kBF16}, dev, {n, d.d_c});
+  check_strided_tensor(k_pe, "k_pe", {DType::kBF16}, dev, {n, d.d_rope});
   check_locs_values(host_locs, n, d.num_locations(), "locs", true);
 }
 

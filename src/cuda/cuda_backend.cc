@@ -326,6 +326,8 @@ StoreKvParams store_kv_params(PagedKvPool& pool, const TensorView& locs, const T
   return {locs.ptr<const int32_t>(),
           c_kv.ptr<const bf16_t>(),
           k_pe.ptr<const bf16_t>(),
+          c_kv.stride[0],
+          k_pe.stride[0],
           pool.storage().ptr<uint8_t>(),
           locs.numel(),
           d.num_locations(),

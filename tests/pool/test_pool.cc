@@ -398,6 +398,45 @@ TEST(KvPool, GatherIntoTheColumnsOfABf16Pool) {
   });
 }
 
+// store_kv from row-strided inputs (the two column ranges of one [n, d_c + d_rope + 8] array)
+// writes the same bytes as from contiguous copies, for every layout.
+TEST(KvPool, StoreFromTheColumnsOfOneArray) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(seed);
+  Rng rng(seed);
+  for_each_backend([&](Backend& be) {
+    for (const LayoutCase& lc : kLayoutCases) {
+      const KvPoolDesc d = pool_desc(lc, 16, 96);
+      SCOPED_TRACE(describe(d));
+      const int64_t n = 40, width = kDc + kDrope + 8;
+      const std::vector<int32_t> locs = distinct_locations(rng, n, 96);
+      const Tokens tok = random_tokens(rng, n, lc.layout);
+      PoolFixture want(be, d), got(be, d);
+      want.store(locs, tok);
+
+      Tensor wide = Tensor::host(DType::kBF16, {n, width});
+      for (int64_t i = 0; i < n; ++i) {
+        std::copy_n(tok.c_kv.ptr<bf16_t>() + i * kDc, kDc, wide.ptr<bf16_t>() + i * width + 4);
+        std::copy_n(tok.k_pe.ptr<bf16_t>() + i * kDrope, kDrope,
+                    wide.ptr<bf16_t>() + i * width + 4 + kDc);
+      }
+      const Tensor dev_wide = be.to_device(wide);
+      TensorView c_kv = dev_wide.view();
+      c_kv.data = static_cast<bf16_t*>(c_kv.data) + 4;
+      c_kv.shape[1] = kDc;
+      TensorView k_pe = c_kv;
+      k_pe.data = static_cast<bf16_t*>(c_kv.data) + kDc;
+      k_pe.shape[1] = kDrope;
+      be.store_kv(got.pool(), be.to_device(i32_tensor(locs)), c_kv, k_pe);
+      const Tensor got_bytes = got.bytes(), want_bytes = want.bytes();
+      for (int32_t loc : locs)
+        ASSERT_EQ(0, std::memcmp(got.row(got_bytes, loc), want.row(want_bytes, loc),
+                                 size_t(d.bytes_per_token())))
+            << "location " << loc;
+    }
+  });
+}
+
 // positions_to_locations with kv_locs undefined: the identity, kv_start[t] + pos for a position
 // in [0, ctx_len[t]), else -1.
 TEST(BatchIndex, PositionsToRowsByTheIdentity) {

@@ -127,6 +127,15 @@ def test_quantize_and_dequantize_match_flashmla_byte_for_byte():
     assert np.array_equal(back.view(np.uint16), g["dequantized"].view(np.uint16))
 
 
+def test_quantize_from_a_row_strided_input():
+    """kv may be a row-strided view (rows of a wider array): the bytes are FlashMLA's."""
+    g, _ = ref.peer("fp8_656_pow2.safetensors")
+    wide = np.full((512, 600), np.nan, BF16)
+    wide[:, 8:584] = g["input"].reshape(512, 576)
+    packed = dsakit.ops.quantize_kv_fp8(wide[:, 8:584], "v32_656", scales="pow2")
+    assert np.array_equal(packed, g["packed"])
+
+
 def test_dequantize_into_a_row_strided_out():
     """out may be a row-strided view (rows of a wider array): the values land in its 576 columns,
     bit for bit as FlashMLA dequantizes, and the columns beside them stay untouched."""

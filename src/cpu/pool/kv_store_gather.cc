@@ -128,9 +128,10 @@ void store_kv(const CpuContext& ctx, PagedKvPool& pool, const TensorView& locs,
   const bf16_t* r = k_pe.ptr<const bf16_t>();
   uint8_t* rows = pool.storage().ptr<uint8_t>();
   const int64_t n = locs.numel(), row_bytes = d.bytes_per_token();
+  const int64_t c_stride = c_kv.stride[0], r_stride = k_pe.stride[0];  // rows may be strided
 #pragma omp parallel for num_threads(ctx.threads) schedule(static)
   for (int64_t i = 0; i < n; ++i)
-    encode_kv_row(d, c + i * d.d_c, r + i * d.d_rope, rows + int64_t(loc[i]) * row_bytes);
+    encode_kv_row(d, c + i * c_stride, r + i * r_stride, rows + int64_t(loc[i]) * row_bytes);
 }
 
 void gather_kv(const CpuContext& ctx, const PagedKvPool& pool, const TensorView& locs,

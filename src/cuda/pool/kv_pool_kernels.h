@@ -14,8 +14,10 @@ namespace dsakit::cuda {
 
 struct StoreKvParams {
   const int32_t* locs;  // [n] pool locations
-  const bf16_t* c_kv;   // [n, d_c]
-  const bf16_t* k_pe;   // [n, d_rope]
+  const bf16_t* c_kv;   // [n, d_c]    rows c_kv_stride apart
+  const bf16_t* k_pe;   // [n, d_rope] rows k_pe_stride apart
+  int64_t c_kv_stride;  // elements, >= d_c
+  int64_t k_pe_stride;  // elements, >= d_rope
   uint8_t* rows;        // [num_locations, row.bytes_per_token()]
   int64_t n;
   int64_t num_locations;

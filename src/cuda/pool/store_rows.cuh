@@ -28,8 +28,8 @@ __device__ __forceinline__ void store_kv_row(const StoreKvParams& p, int64_t tok
   const int32_t loc = p.locs[token];
   if (loc < 0 || loc >= p.num_locations) return;
   const int d_c = p.row.d_c, d_rope = p.row.d_rope;
-  const bf16_t* c_kv = p.c_kv + token * d_c;
-  const bf16_t* k_pe = p.k_pe + token * d_rope;
+  const bf16_t* c_kv = p.c_kv + token * p.c_kv_stride;
+  const bf16_t* k_pe = p.k_pe + token * p.k_pe_stride;
   uint8_t* row = p.rows + int64_t(loc) * p.row.bytes_per_token();
 
   if constexpr (kLayout == KvLayout::kBf16) {
