@@ -259,7 +259,10 @@ def test_fp8_weights_as_torch_float8(rng):
     assert "gather" in dict(a.stages) and "gather" not in dict(b.stages), b.stages
     oa, ob = a.o.double(), b.o.double()
     assert torch.linalg.norm(oa - ob) <= 1e-2 * torch.linalg.norm(oa)
-    assert torch.max(torch.abs(a.lse - b.lse)) <= 1e-3
+    # The FP8 GEMM's tensor cores sum each 128-value block narrower than f32, so ~5% of the bf16
+    # K / V elements land a neighbouring value: the lse bound after the FP8 up-projection is
+    # numerics.md's 3e-2 (reference::lse_bound), not the bit-level agreement of one GEMM.
+    assert torch.max(torch.abs(a.lse - b.lse)) <= 3e-2
 
 
 def test_cuda_graph_of_a_layer_forward_replays_bit_exactly(rng):
