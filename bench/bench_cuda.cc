@@ -294,11 +294,38 @@ std::vector<Row> bench_shape(cuda::CudaBackend& be, const ModelConfig& c, int64_
   return rows;
 }
 
+// kv_mask bits [T, words] for one fresh causal prompt of T tokens: query t keeps
+// min(t + 1, keep) of its positions, drawn at random (a top-k's count, not its choice).
+Tensor random_topk_mask(Backend& be, int64_t t, int keep, int64_t words, uint64_t seed) {
+  std::vector<int32_t> bits(size_t(t * words), 0);
+  std::mt19937_64 gen(seed);
+  for (int64_t q = 0; q < t; ++q) {
+    auto* row = reinterpret_cast<uint32_t*>(bits.data() + q * words);
+    const int64_t visible = q + 1;
+    if (visible <= keep) {
+      for (int64_t p = 0; p < visible; ++p) row[p / 32] |= 1u << (p % 32);
+      continue;
+    }
+    std::uniform_int_distribution<int64_t> pick(0, visible - 1);
+    for (int kept = 0; kept < keep;) {
+      const int64_t p = pick(gen);
+      if ((row[p / 32] >> (p % 32)) & 1u) continue;
+      row[p / 32] |= 1u << (p % 32);
+      ++kept;
+    }
+  }
+  return be.to_device(make_view(bits.data(), DType::kI32, Device::kCpu, {t, words}));
+}
+
 // The dense MHA kernels alone over one batch of requests (prefix P_r, extend E_r), every compiled
 // kernel forced in turn: K / V as the halves of one [N, H, d_nope + d_v] buffer (what the layer's
-// up-projection writes), bottom-right causal. FLOPs count visible (query, key) pairs.
+// up-projection writes), bottom-right causal. FLOPs count visible (query, key) pairs. With
+// mask_keep > 0 (one fresh prompt), also "dense_mha_masked": the same call with kv_mask keeping
+// mask_keep positions per query (random_topk_mask): the sparse path's function as dense
+// attention, the same blocks visited.
 std::vector<Row> bench_dense(cuda::CudaBackend& be, const ModelConfig& c,
-                             const std::vector<std::pair<int32_t, int32_t>>& prefix_extend) {
+                             const std::vector<std::pair<int32_t, int32_t>>& prefix_extend,
+                             int mask_keep = 0) {
   std::string batch;
   std::vector<int32_t> cu_q{0}, cu_kv{0};
   double pairs = 0;
@@ -325,28 +352,34 @@ std::vector<Row> bench_dense(cuda::CudaBackend& be, const ModelConfig& c,
   }
   const Tensor k_pe = uniform_bf16_device(be, {n, dr}, 40, 1.f);
   Tensor o = be.empty(DType::kBF16, {t, h, dv}), lse = be.empty(DType::kF32, {t, h});
+  Tensor mask;
   std::vector<Row> rows;
-  time_each_kernel(
-      be.options().dense_mha_kernel, be, shape, "dense_mha", 2.0 * h * pairs * (dn + dr + dv),
-      [&](int i) {
-        const KvHalves halves = kv_halves(kv_up[size_t(i % kSets)], dn);
-        DenseMhaArgs a;
-        a.q_nope = q_nope[size_t(i % kSets)];
-        a.q_pe = q_pe[size_t(i % kSets)];
-        a.k_nope = halves.k_nope;
-        a.k_pe = k_pe;
-        a.v = halves.v;
-        a.cu_q = cu_q_d;
-        a.cu_kv = cu_kv_d;
-        a.cu_q_host = cu_q.data();
-        a.cu_kv_host = cu_kv.data();
-        a.num_requests = int(prefix_extend.size());
-        a.sm_scale = c.softmax_scale();
-        a.o = o;
-        a.lse = lse;
-        be.dense_mha(a);
-      },
-      rows);
+  const auto call = [&](int i) {
+    const KvHalves halves = kv_halves(kv_up[size_t(i % kSets)], dn);
+    DenseMhaArgs a;
+    a.q_nope = q_nope[size_t(i % kSets)];
+    a.q_pe = q_pe[size_t(i % kSets)];
+    a.k_nope = halves.k_nope;
+    a.k_pe = k_pe;
+    a.v = halves.v;
+    a.cu_q = cu_q_d;
+    a.cu_kv = cu_kv_d;
+    a.cu_q_host = cu_q.data();
+    a.cu_kv_host = cu_kv.data();
+    a.num_requests = int(prefix_extend.size());
+    a.sm_scale = c.softmax_scale();
+    a.o = o;
+    a.lse = lse;
+    a.kv_mask = mask;
+    be.dense_mha(a);
+  };
+  const double flops = 2.0 * h * pairs * (dn + dr + dv);
+  time_each_kernel(be.options().dense_mha_kernel, be, shape, "dense_mha", flops, call, rows);
+  if (mask_keep > 0 && prefix_extend.size() == 1 && prefix_extend[0].first == 0) {
+    mask = random_topk_mask(be, t, mask_keep, (n + 31) / 32, 50);
+    time_each_kernel(be.options().dense_mha_kernel, be, shape, "dense_mha_masked", flops, call,
+                     rows);
+  }
   be.options().host_value_checks = true;
   return rows;
 }
@@ -786,7 +819,10 @@ int main(int argc, char** argv) {
       for (const ModelConfig& m : {ds, ds.with_tp(4), ds.with_tp(8), glm, glm.with_tp(4)})
         for (int32_t t : lengths) {
           if (t > 4096 && m.num_heads < 64) continue;  // the TP-shard targets stop at 4K
-          auto r = bench_dense(be, m, Batch{{0, t}});
+          // DeepSeek-V3.2 beyond its top-k: also with the top-k as kv_mask (the sparse path's
+          // output; compare with --sparse's rows of the same length).
+          const int keep = m.name == ds.name && t > m.index_topk ? m.index_topk : 0;
+          auto r = bench_dense(be, m, Batch{{0, t}}, keep);
           rows.insert(rows.end(), r.begin(), r.end());
         }
       // Varlen batches with cached prefixes, each followed by the fresh prompt of the same

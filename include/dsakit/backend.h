@@ -127,7 +127,8 @@ struct DenseMhaArgs {
   // Optional i32 [T, W], bits: query t sees kv row p (< its visible count) of its request only
   // where bit p % 32 of word p / 32 of row t is set; W · 32 >= every request's kv length. The
   // sparse path's selection as dense attention (a top-k as a mask). Backends with
-  // Capabilities::dense_kv_mask; the others refuse it (Error(kUnsupported)).
+  // Capabilities::dense_kv_mask; the others refuse it (Error(kUnsupported)). CUDA multiplies a
+  // masked key's V row by P = 0: it must be finite there.
   TensorView kv_mask;
   // Host copies of cu_q / cu_kv (always host memory), for scheduling without a device read.
   const int32_t* cu_q_host = nullptr;

@@ -36,6 +36,8 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.sm_arch = sm_arch;
   c.dense_mha = sm_arch == 90 || sm_arch == 100;  // docs/dispatch.md, rule 3
   c.dense_kv_visible = false;
+  // The wgmma kernel takes kv_mask (its head dims only: dense_mha names them when refusing).
+  c.dense_kv_mask = sm_arch == 90;
   c.kv_halves = true;
   c.fp8_up_proj = sm_arch == 90;  // cuBLASLt's block-scaled FP8 GEMM: Hopper only
   c.intermediate_dtype = DType::kBF16;
@@ -138,18 +140,14 @@ void Backend::positions_to_locations(const TensorView&, const TensorView&, const
 }
 
 void Backend::topk_to_kv_mask(const TensorView& positions, const TensorView& mask) {
-  check_tensor(positions, "positions", DType::kI32, device(), {-1, -1});
-  const int64_t t = positions.shape[0], k = positions.shape[1];
-  check_tensor(mask, "kv_mask", DType::kI32, device(), {t, -1});
-  const int64_t words = mask.shape[1];
+  validate::topk_to_kv_mask(positions, mask, device(), nullptr);
   const Tensor pos = to_host(positions);
+  validate::topk_to_kv_mask(positions, mask, device(), pos.ptr<const int32_t>());
+  const int64_t t = positions.shape[0], k = positions.shape[1], words = mask.shape[1];
   std::vector<uint32_t> bits(size_t(t * words), 0u);
   for (int64_t i = 0; i < t * k; ++i) {
     const int32_t p = pos.ptr<const int32_t>()[i];
-    if (p < 0) continue;
-    DSAKIT_CHECK_ARG(p < words * 32, "positions[", i / k, ", ", i % k, "] = ", p, ": beyond the ",
-                     words * 32, " positions kv_mask's ", words, " words a row cover");
-    bits[size_t((i / k) * words + p / 32)] |= 1u << (p % 32);
+    if (p >= 0) bits[size_t((i / k) * words + p / 32)] |= 1u << (p % 32);
   }
   copy(mask, make_view(bits.data(), DType::kI32, Device::kCpu, {t, words}));
 }

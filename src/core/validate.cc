@@ -357,6 +357,19 @@ void positions_to_locations(const TensorView& positions, const TensorView& kv_lo
                      identity ? " (the int32 location range)" : " entries of kv_locs");
 }
 
+void topk_to_kv_mask(const TensorView& positions, const TensorView& mask, Device dev,
+                     const int32_t* host_positions) {
+  check_tensor(positions, "positions", DType::kI32, dev, {-1, -1});
+  const int64_t t = positions.shape[0], k = positions.shape[1];
+  check_tensor(mask, "kv_mask", DType::kI32, dev, {t, -1});
+  DSAKIT_CHECK_ARG(k <= INT32_MAX, "positions: ", k, " columns; expected at most 2^31 - 1");
+  const int64_t words = mask.shape[1];
+  for (int64_t i = 0; host_positions && i < t * k; ++i)
+    DSAKIT_CHECK_ARG(host_positions[i] < words * 32, "positions[", i / k, ", ", i % k,
+                     "] = ", host_positions[i], ": beyond the ", words * 32,
+                     " positions kv_mask's ", words, " words a row cover");
+}
+
 void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,
                     const TensorView& lse, Device dev) {
   check_tensor(o_parts, "o_parts", kFloat, dev, {-1, -1, -1, -1});

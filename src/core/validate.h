@@ -65,6 +65,10 @@ void positions_to_locations(const TensorView& positions, const TensorView& kv_lo
                             const TensorView& kv_start, const TensorView& ctx_len,
                             const TensorView& out, Device dev, const int32_t* host_kv_start,
                             const int32_t* host_ctx_len);
+// positions i32 [T, k], mask i32 [T, W]; host_positions (nullptr skips value checks): every
+// position >= 0 below W * 32.
+void topk_to_kv_mask(const TensorView& positions, const TensorView& mask, Device dev,
+                     const int32_t* host_positions);
 // o_parts bf16 | f32 [W, T, H, D] (W >= 1), lse_parts f32 [W, T, H], o bf16 | f32 [T, H, D],
 // lse f32 [T, H].
 void merge_partials(const TensorView& o_parts, const TensorView& lse_parts, const TensorView& o,

@@ -535,6 +535,16 @@ void CudaBackend::positions_to_locations(const TensorView& positions, const Tens
   DSAKIT_CUDA_CHECK(launch_positions_to_locations(p, stream_));
 }
 
+void CudaBackend::topk_to_kv_mask(const TensorView& positions, const TensorView& mask) {
+  activate();
+  validate::topk_to_kv_mask(positions, mask, Device::kCuda, nullptr);
+  const HostIndexValues host = host_index_values(positions);
+  validate::topk_to_kv_mask(positions, mask, Device::kCuda, host.data);
+  const TopkToKvMaskParams p{positions.ptr<const int32_t>(), static_cast<uint32_t*>(mask.data),
+                             positions.shape[0], int(positions.shape[1]), mask.shape[1]};
+  DSAKIT_CUDA_CHECK(launch_topk_to_kv_mask(p, stream_));
+}
+
 // ---- projections ----------------------------------------------------------------------------
 // cuBLAS needs both GEMM operands in one type. bf16 activations multiply kv_b_proj as stored;
 // f32 activations multiply an exact f32 copy of it (workspace), and a bf16 output is then

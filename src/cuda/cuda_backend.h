@@ -146,6 +146,7 @@ class CudaBackend final : public Backend {
   void positions_to_locations(const TensorView& positions, const TensorView& kv_locs,
                               const TensorView& kv_start, const TensorView& ctx_len,
                               const TensorView& out) override;
+  void topk_to_kv_mask(const TensorView& positions, const TensorView& mask) override;
 
   // ---- CUDA specifics --------------------------------------------------------------------
   cudaStream_t stream() const { return stream_; }

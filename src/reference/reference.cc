@@ -439,7 +439,8 @@ Attention sparse_attention(const Vec& q, const Vec& kv, int64_t T, int H, int d_
 
 Attention dense_attention(const Vec& q, const Vec& k, const Vec& v, int H, int d_qk, int d_v,
                           const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_kv,
-                          double sm_scale) {
+                          double sm_scale, const std::vector<uint32_t>* kv_mask,
+                          int64_t mask_words) {
   DSAKIT_CHECK_ARG(cu_q.size() >= 2 && cu_q.size() == cu_kv.size() && cu_q[0] == 0 && cu_kv[0] == 0,
                    "reference::dense_attention cu_q / cu_kv: expected equal sizes >= 2 starting "
                    "at 0, got ",
@@ -452,6 +453,19 @@ Attention dense_attention(const Vec& q, const Vec& k, const Vec& v, int H, int d
   check_size(q, T * H * d_qk, "dense_attention", "q");
   check_size(k, N * H * d_qk, "dense_attention", "k");
   check_size(v, N * H * d_v, "dense_attention", "v");
+  if (kv_mask) {
+    DSAKIT_CHECK_ARG(mask_words > 0 && int64_t(kv_mask->size()) == T * mask_words,
+                     "reference::dense_attention kv_mask: expected ", T, " x ", mask_words,
+                     " words, got ", kv_mask->size());
+    for (size_t r = 0; r + 1 < cu_kv.size(); ++r)
+      DSAKIT_CHECK_ARG(cu_kv[r + 1] - cu_kv[r] <= mask_words * 32,
+                       "reference::dense_attention kv_mask: ", mask_words,
+                       " words a row cover fewer positions than request ", r, "'s ",
+                       cu_kv[r + 1] - cu_kv[r]);
+  }
+  const auto kept = [&](int64_t t, int64_t p) {
+    return kv_mask == nullptr || ((*kv_mask)[size_t(t * mask_words + p / 32)] >> (p % 32)) & 1u;
+  };
   Attention a = make_attention(T, H, d_v);
   std::vector<const double*> keys, values;
   for (size_t r = 0; r + 1 < cu_q.size(); ++r) {
@@ -464,6 +478,7 @@ Attention dense_attention(const Vec& q, const Vec& k, const Vec& v, int H, int d
         keys.clear();
         values.clear();
         for (int64_t p = 0; p < visible; ++p) {
+          if (!kept(t, p)) continue;
           const int64_t row = cu_kv[r] + p;
           keys.push_back(k.data() + (row * H + h) * d_qk);
           values.push_back(v.data() + (row * H + h) * d_v);

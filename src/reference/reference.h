@@ -85,9 +85,12 @@ Attention sparse_attention(const Vec& q, const Vec& kv, int64_t T, int H, int d_
                            int64_t N, const std::vector<int32_t>& indices, int k,
                            const std::vector<int32_t>* topk_length, double sm_scale);
 // Causal varlen MHA with prefix: q [T, H, d_qk], k [N, H, d_qk], v [N, H, d_v]; query i of
-// request r (rows cu_q[r]…) sees kv rows cu_kv[r] … cu_kv[r] + (L_r - E_r) + i.
+// request r (rows cu_q[r]…) sees kv rows cu_kv[r] … cu_kv[r] + (L_r - E_r) + i. kv_mask
+// (optional, [T, mask_words] bits, DenseMhaArgs::kv_mask's layout): query t sees position p of
+// those only where bit p % 32 of word p / 32 of row t is set.
 Attention dense_attention(const Vec& q, const Vec& k, const Vec& v, int H, int d_qk, int d_v,
                           const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_kv,
-                          double sm_scale);
+                          double sm_scale, const std::vector<uint32_t>* kv_mask = nullptr,
+                          int64_t mask_words = 0);
 
 }  // namespace dsakit::reference

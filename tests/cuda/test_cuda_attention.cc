@@ -713,6 +713,30 @@ DenseMhaArgs dense_args(const Tensor& q_nope, const Tensor& q_pe, const Tensor& 
   return a;
 }
 
+// The float64 reference's operands: q = [q_nope | q_pe] and k = [k_nope | k_pe] per (row, head),
+// k_pe one row shared by the heads.
+struct ReferenceQk {
+  std::vector<double> q, k;
+};
+ReferenceQk reference_qk(const Tensor& q_nope, const Tensor& q_pe, const Tensor& k_nope,
+                         const Tensor& k_pe) {
+  const int64_t t_n = q_nope.size(0), n = k_nope.size(0), h = q_nope.size(1);
+  const int64_t d_nope = q_nope.size(2), d_rope = q_pe.size(2), d_qk = d_nope + d_rope;
+  ReferenceQk r{std::vector<double>(size_t(t_n * h * d_qk)),
+                std::vector<double>(size_t(n * h * d_qk))};
+  const auto qn = testing::to_double(q_nope.view()), qp = testing::to_double(q_pe.view());
+  const auto kn = testing::to_double(k_nope.view()), kp = testing::to_double(k_pe.view());
+  for (int64_t th = 0; th < t_n * h; ++th) {
+    std::copy_n(&qn[size_t(th * d_nope)], d_nope, &r.q[size_t(th * d_qk)]);
+    std::copy_n(&qp[size_t(th * d_rope)], d_rope, &r.q[size_t(th * d_qk + d_nope)]);
+  }
+  for (int64_t nh = 0; nh < n * h; ++nh) {
+    std::copy_n(&kn[size_t(nh * d_nope)], d_nope, &r.k[size_t(nh * d_qk)]);
+    std::copy_n(&kp[size_t(nh / h * d_rope)], d_rope, &r.k[size_t(nh * d_qk + d_nope)]);
+  }
+  return r;
+}
+
 class CudaDenseMha : public CudaAttention {
  protected:
   // One 4-token request of 2 heads, every tensor poisoned: the argument checks' input.
@@ -859,23 +883,143 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
         }
       }
 
-      std::vector<double> q(size_t(t_n) * h * d_qk), k(size_t(n) * h * d_qk);
-      const auto qn = testing::to_double(q_nope.view()), qp = testing::to_double(q_pe.view());
-      const auto kn = testing::to_double(k_nope.view()), kp = testing::to_double(k_pe.view());
-      for (size_t th = 0; th < size_t(t_n) * h; ++th) {
-        for (int d = 0; d < c.d_nope; ++d) q[th * d_qk + d] = qn[th * c.d_nope + d];
-        for (int d = 0; d < kDr; ++d) q[th * d_qk + c.d_nope + d] = qp[th * kDr + d];
-      }
-      for (size_t nh = 0; nh < size_t(n) * h; ++nh) {
-        for (int d = 0; d < c.d_nope; ++d) k[nh * d_qk + d] = kn[nh * c.d_nope + d];
-        for (int d = 0; d < kDr; ++d) k[nh * d_qk + c.d_nope + d] = kp[(nh / h) * kDr + d];
-      }
-      const auto ref = reference::dense_attention(q, k, testing::to_double(v.view()), h, d_qk,
+      const ReferenceQk qk = reference_qk(q_nope, q_pe, k_nope, k_pe);
+      const auto ref = reference::dense_attention(qk.q, qk.k, testing::to_double(v.view()), h, d_qk,
                                                   c.d_v, cu_q, cu_kv, a.sm_scale);
       EXPECT_LE(testing::rel_l2(o_out, ref.o), testing::kTolBf16) << "o rel-L2";
       EXPECT_LE(testing::max_abs_diff(lse_out, ref.lse), testing::kTolLse) << "lse";
       EXPECT_LE(testing::rel_l2(o_unsplit, ref.o), testing::kTolBf16) << "o rel-L2, no split";
       EXPECT_LE(testing::max_abs_diff(lse_unsplit, ref.lse), testing::kTolLse) << "lse, no split";
+    }
+}
+
+// kv_mask (the wgmma kernel) against the float64 reference under the same mask: each query keeps
+// a random half of its positions, or `keep` random ones (a top-k: over long contexts whole
+// split-KV parts and blocks where a row keeps nothing), with random bits set past its causal
+// range (ignored) and one query keeping nothing (o 0, lse +inf); both tile shapes, split blocks
+// on and off, two runs bit-identical. A mask of every bit gives the unmasked kernel's bits, and
+// the mma.sync kernel refuses a mask, naming it, and writes nothing.
+TEST_F(CudaDenseMha, MaskMatchesReference) {
+  struct MaskCase {
+    int d_nope, d_v, num_heads;
+    std::vector<std::pair<int, int>> prefix_extend;
+    int keep;  // positions a query keeps; 0: each with probability 1/2
+  };
+  const std::vector<MaskCase> cases = {
+      {128, 128, 8, {{0, 700}, {300, 333}, {129, 64}}, 0},
+      {192, 256, 4, {{0, 517}, {64, 191}, {1, 1}}, 0},
+      {128, 128, 16, {{1990, 64}}, 96},  // split-KV over a long prefix
+      {192, 256, 16, {{1000, 40}, {0, 3}}, 96},
+      {128, 128, 16, {{100, 40}, {60, 4}}, 0},  // <= 64 rows over >= 2 blocks: split blocks
+      {192, 256, 4, {{300, 60}, {700, 33}}, 12},
+  };
+  constexpr int kDr = 64;
+  for (const MaskCase& c : cases)
+    for (const char* split : {"1", "0"}) {
+      const KernelScope sm90("DSAKIT_DENSE_MHA_KERNEL", "sm90");
+      const KernelScope split_scope("DSAKIT_DENSE_SPLIT_BLOCKS", split);
+      const uint64_t seed = testing::fresh_seed();
+      SCOPED_TRACE(::testing::Message() << "seed " << seed << " d_v " << c.d_v << " H "
+                                        << c.num_heads << " keep " << c.keep << " split " << split);
+      Rng rng(seed);
+      std::vector<int32_t> cu_q{0}, cu_kv{0};
+      int longest = 0;
+      for (auto [p, e] : c.prefix_extend) {
+        cu_q.push_back(cu_q.back() + e);
+        cu_kv.push_back(cu_kv.back() + p + e);
+        longest = std::max(longest, p + e);
+      }
+      const int t_n = cu_q.back(), n = cu_kv.back(), h = c.num_heads, d_qk = c.d_nope + kDr;
+      const int64_t words = (longest + 31) / 32 + 1;  // one word more than the longest needs
+      std::vector<uint32_t> bits(size_t(t_n * words), 0u);
+      const int empty_query = 5;  // request 0's row 5 keeps nothing
+      for (size_t r = 0; r + 1 < cu_q.size(); ++r)
+        for (int32_t t = cu_q[r]; t < cu_q[r + 1]; ++t) {
+          const int visible = cu_kv[r + 1] - cu_kv[r] - (cu_q[r + 1] - t) + 1;
+          std::vector<int32_t> kept;
+          for (int pos = 0; pos < visible; ++pos)
+            if (c.keep > 0 || rng.randint(0, 1) == 1) kept.push_back(pos);
+          if (c.keep > 0) {
+            std::shuffle(kept.begin(), kept.end(), rng.gen());
+            kept.resize(std::min<size_t>(kept.size(), size_t(c.keep)));
+          }
+          if (t == empty_query) kept.clear();
+          for (int32_t pos : kept) bits[size_t(t * words + pos / 32)] |= 1u << (pos % 32);
+          for (int i = 0; i < 8; ++i) {  // past the causal range: never read as a key
+            const int64_t pos = rng.randint(visible, int(words * 32 - 1));
+            bits[size_t(t * words + pos / 32)] |= 1u << (pos % 32);
+          }
+        }
+      std::vector<uint32_t> ref_bits = bits;  // the reference's mask: causal positions only
+      for (size_t r = 0; r + 1 < cu_q.size(); ++r)
+        for (int32_t t = cu_q[r]; t < cu_q[r + 1]; ++t) {
+          const int visible = cu_kv[r + 1] - cu_kv[r] - (cu_q[r + 1] - t) + 1;
+          for (int64_t pos = visible; pos < words * 32; ++pos)
+            ref_bits[size_t(t * words + pos / 32)] &= ~(1u << (pos % 32));
+        }
+      Tensor mask = Tensor::host(DType::kI32, {t_n, words});
+      std::memcpy(mask.ptr<int32_t>(), bits.data(), bits.size() * 4);
+
+      Tensor q_nope = testing::random_tensor(rng, DType::kBF16, {t_n, h, c.d_nope});
+      Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr});
+      Tensor k_nope = testing::random_tensor(rng, DType::kBF16, {n, h, c.d_nope});
+      Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {n, kDr});
+      Tensor v = testing::random_tensor(rng, DType::kBF16, {n, h, c.d_v});
+      const Tensor qn_d = to_dev(q_nope), qp_d = to_dev(q_pe), kn_d = to_dev(k_nope),
+                   kp_d = to_dev(k_pe), v_d = to_dev(v), cq_d = to_dev(host_i32(cu_q)),
+                   ck_d = to_dev(host_i32(cu_kv)), mask_d = to_dev(mask);
+      DenseMhaArgs a = dense_args(qn_d, qp_d, kn_d, kp_d, v_d, cq_d, ck_d, cu_q, cu_kv,
+                                  1.0 / std::sqrt(double(d_qk)));
+      // run(mask or null) -> (o bits, o, lse)
+      const auto run = [&](const Tensor* m) {
+        Tensor o = poisoned(DType::kBF16, {t_n, h, c.d_v});
+        Tensor lse = poisoned(DType::kF32, {t_n, h});
+        a.o = o.view();
+        a.lse = lse.view();
+        a.kv_mask = m ? m->view() : TensorView{};
+        backend_->dense_mha(a);
+        return std::pair{backend_->to_host(o.view()), backend_->to_host(lse.view())};
+      };
+      const auto [o1, lse1] = run(&mask_d);
+      const auto [o2, lse2] = run(&mask_d);
+      EXPECT_EQ(testing::checksum(o1.view()), testing::checksum(o2.view())) << "o, two runs";
+      EXPECT_EQ(testing::checksum(lse1.view()), testing::checksum(lse2.view())) << "lse, two runs";
+
+      const ReferenceQk qk = reference_qk(q_nope, q_pe, k_nope, k_pe);
+      const auto ref = reference::dense_attention(qk.q, qk.k, testing::to_double(v.view()), h, d_qk,
+                                                  c.d_v, cu_q, cu_kv, a.sm_scale, &ref_bits, words);
+      const auto o = testing::to_double(o1.view()), lse = testing::to_double(lse1.view());
+      EXPECT_LE(testing::rel_l2(o, ref.o), testing::kTolBf16) << "o rel-L2";
+      EXPECT_LE(testing::max_abs_diff(lse, ref.lse), testing::kTolLse) << "lse";
+      for (int hh = 0; hh < h; ++hh) {
+        EXPECT_EQ(lse[size_t(empty_query * h + hh)], std::numeric_limits<double>::infinity());
+        for (int d = 0; d < c.d_v; ++d)
+          ASSERT_EQ(o[size_t((empty_query * h + hh) * c.d_v + d)], 0.0) << "empty query's o";
+      }
+
+      if (&c == &cases.front() && split[0] == '1') {
+        Tensor all = Tensor::host(DType::kI32, {t_n, words});
+        std::fill_n(all.ptr<int32_t>(), all.numel(), -1);
+        const Tensor all_d = to_dev(all);
+        const auto [o_all, lse_all] = run(&all_d);
+        const auto [o_plain, lse_plain] = run(nullptr);
+        EXPECT_EQ(testing::checksum(o_all.view()), testing::checksum(o_plain.view()))
+            << "a mask of every bit changed o";
+        EXPECT_EQ(testing::checksum(lse_all.view()), testing::checksum(lse_plain.view()));
+        const KernelScope sm80("DSAKIT_DENSE_MHA_KERNEL", "sm80");
+        const Tensor untouched = poisoned(DType::kBF16, {t_n, h, c.d_v});
+        const uint64_t before = testing::checksum(backend_->to_host(untouched.view()).view());
+        a.o = untouched.view();
+        a.kv_mask = mask_d.view();
+        try {
+          backend_->dense_mha(a);
+          ADD_FAILURE() << "the mma.sync kernel took kv_mask";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+          EXPECT_NE(std::string(e.what()).find("kv_mask"), std::string::npos) << e.what();
+        }
+        EXPECT_EQ(testing::checksum(backend_->to_host(untouched.view()).view()), before);
+      }
     }
 }
 

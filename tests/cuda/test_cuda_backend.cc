@@ -882,6 +882,42 @@ TEST_F(CudaBackendTest, PositionsToLocationsMatchesCpu) {
   EXPECT_EQ(i32_values(gpu_->to_host(out)), i32_values(want));
 }
 
+// The device topk_to_kv_mask against the CPU backend's bits: rows of random positions (-1
+// padding, repeats) over a mask of 5,000 words (two of the kernel's shared-memory windows); a
+// position past the mask refused naming it with the mask untouched; without host checks the
+// kernel skips such a position and writes every other bit.
+TEST_F(CudaBackendTest, TopkToKvMaskMatchesCpu) {
+  SCOPED_TRACE(trace());
+  const int64_t t = 37, k = 700, words = 5000;
+  std::vector<int32_t> pos(size_t(t * k));
+  for (auto& p : pos) p = rng().randint(0, 9) == 0 ? -1 : int32_t(rng().randint(0, words * 32 - 1));
+  pos[3] = pos[2];  // a repeat
+  const Tensor want = Tensor::host(DType::kI32, {t, words});
+  cpu_->topk_to_kv_mask(host_i32(pos, {t, k}), want);
+  const Tensor got = poisoned(DType::kI32, {t, words});
+  gpu_->topk_to_kv_mask(gpu_->to_device(host_i32(pos, {t, k})), got);
+  EXPECT_EQ(i32_values(gpu_->to_host(got)), i32_values(want));
+
+  std::vector<int32_t> far = pos;
+  far[size_t(5 * k + 1)] = int32_t(words * 32);
+  const Tensor kept = poisoned(DType::kI32, {t, words});
+  const uint64_t before = testing::checksum(gpu_->to_host(kept));
+  try {
+    gpu_->topk_to_kv_mask(gpu_->to_device(host_i32(far, {t, k})), kept);
+    ADD_FAILURE() << "accepted a position past the mask";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("positions[5, 1]"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(testing::checksum(gpu_->to_host(kept)), before);
+  cuda().options().host_value_checks = false;
+  gpu_->topk_to_kv_mask(gpu_->to_device(host_i32(far, {t, k})), kept);
+  far[size_t(5 * k + 1)] = -1;  // what the kernel wrote: the far position skipped
+  const Tensor skipped = Tensor::host(DType::kI32, {t, words});
+  cpu_->topk_to_kv_mask(host_i32(far, {t, k}), skipped);
+  EXPECT_EQ(i32_values(gpu_->to_host(kept)), i32_values(skipped));
+}
+
 // ---- projections ----------------------------------------------------------------------------
 
 struct ProjectionCase {

@@ -528,6 +528,33 @@ TEST(ReferenceAttention, SparseEqualsDenseWhenEveryPositionIsSelected) {
     const double spread = *std::max_element(dense.max_logit.begin(), dense.max_logit.end()) -
                           *std::min_element(dense.max_logit.begin(), dense.max_logit.end());
     EXPECT_GT(spread, 1.0);
+
+    // A selection as kv_mask: each query keeps a random half of its positions (query 0 none:
+    // lse +inf, o 0 on both sides), sparse over the kept rows alone.
+    std::vector<uint32_t> mask(size_t(T), 0u);  // one word: every request is < 32 rows
+    std::vector<int32_t> half(size_t(T * k), -1);
+    for (size_t r = 0; r < reqs.size(); ++r)
+      for (int i = 0; i < reqs[r].second; ++i) {
+        const int64_t t = cu_q[r] + i;
+        for (int p = 0, slot = 0; p <= reqs[r].first + i; ++p)
+          if (t > 0 && rng.randint(0, 1) == 1) {
+            mask[size_t(t)] |= 1u << p;
+            half[size_t(t * k + slot++)] = cu_kv[r] + p;
+          }
+      }
+    const auto sparse_half = ref::sparse_attention(q576, kv576, T, H, d_c + d_rope, d_c, N, half, k,
+                                                   nullptr, cfg.sm_scale);
+    const auto masked =
+        ref::dense_attention(q, kk, v, H, d_qk, d_v, cu_q, cu_kv, cfg.sm_scale, &mask, 1);
+    EXPECT_LE(testing::rel_l2(ref::up_proj_v(sparse_half.o, w, T, H, d_nope, d_v, d_c), masked.o),
+              1e-12);
+    for (int h = 0; h < H; ++h) EXPECT_EQ(masked.lse[size_t(h)], kInf) << "query 0 keeps none";
+    for (size_t i = size_t(H); i < masked.lse.size(); ++i)
+      if (std::isfinite(sparse_half.lse[i]))
+        EXPECT_NEAR(sparse_half.lse[i], masked.lse[i], 1e-10) << i;
+      else
+        EXPECT_EQ(sparse_half.lse[i], masked.lse[i]) << i;
+    EXPECT_NE(testing::rel_l2(masked.o, dense.o), 0.0) << "the mask changed nothing";
   }
 }
 

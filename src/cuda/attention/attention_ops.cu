@@ -170,8 +170,6 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   DSAKIT_CHECK(a.kv_visible.ndim == 0, kUnsupported, kOp,
                ": per-query visible counts (kv_visible, used by the DCP simulation) are not "
                "supported by the CUDA kernel; supported: the causal default");
-  DSAKIT_CHECK(a.kv_mask.ndim == 0, kUnsupported, kOp,
-               ": a per-(query, key) mask (kv_mask) is not supported by the CUDA kernels yet");
   DSAKIT_CHECK(num_kv <= INT32_MAX, kUnsupported, kOp, ": ", num_kv,
                " kv rows; the CUDA kernel supports up to 2^31 - 1");
 
@@ -186,6 +184,11 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
                  "elements; got (",
                  d_nope, ", ", d_rope, ", ", d_v, "): use the mma.sync kernel (sm80)");
   } else {
+    DSAKIT_CHECK(a.kv_mask.ndim == 0, kUnsupported, kOp,
+                 ": a per-(query, key) mask (kv_mask) needs the wgmma kernel (sm_90, head dims "
+                 "in ",
+                 cuda::attention::dense_mha_sm90_supported(),
+                 ", TMA-addressable operands); the mma.sync kernel (sm80) takes none");
     DSAKIT_CHECK(dispatch_dense_mha_sm80(d_nope, d_rope, d_v, [](auto, auto, auto) {}),
                  kUnsupported, kOp, ": requires (d_nope, d_rope, d_v) = (", d_nope, ", ", d_rope,
                  ", ", d_v, "); the CUDA kernels support ",
@@ -240,6 +243,10 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   params.v_slices = v_slices;
   params.d_v_total = d_v;
   params.split_short_tiles = split_short_tiles ? 1 : 0;
+  if (a.kv_mask.ndim != 0) {  // [T, W] i32 rows, contiguous (validated)
+    params.kv_mask = static_cast<const uint32_t*>(a.kv_mask.data);
+    params.kv_mask_words = a.kv_mask.shape[1];
+  }
   params.sm_scale = float(a.sm_scale);
   if (schedule.parts > 1) {
     params.o_parts = static_cast<float*>(scratch(size_t(schedule.parts * params.rows * d_v) * 4));

@@ -74,17 +74,24 @@ struct DenseMhaParams {
   // consumer groups (1), or leaves them to the first (0); the same output either way, within
   // the summation order.
   int split_short_tiles;
+  // Optional per-(query, key) bits (DenseMhaArgs::kv_mask; the wgmma kernel only, else null):
+  // query row t sees position p of its request (p within its causal range) only where bit
+  // p % 32 of kv_mask[t * kv_mask_words + p / 32] is set; kv_mask_words * 32 >= every request's
+  // kv length. A masked key's V row still meets P = 0 in P·V: it must be finite.
+  const uint32_t* kv_mask;
+  int64_t kv_mask_words;
   float sm_scale;
   DenseTile inline_tiles[kDenseInlineTiles];  // the schedule when tiles == null
 };
 
-// mma.sync kernel: one CTA per (tile, head, V column slice), tiles of kDenseSm80Shape. Returns
-// the launch status.
+// mma.sync kernel: one CTA per (tile, head, V column slice), tiles of kDenseSm80Shape; kv_mask
+// must be null. Returns the launch status.
 template <int kDimNope, int kDimRope, int kDimV>
 cudaError_t run_dense_mha(const DenseMhaParams& params, cudaStream_t stream);
 
 // wgmma kernel: one CTA per (tile, head) in the order of dense_sm90_cta_work, tiles of
-// dense_sm90_shape(d_v), v_slices == 1, 1 <= head_group <= num_heads.
+// dense_sm90_shape(d_v), v_slices == 1, 1 <= head_group <= num_heads; kv_mask (optional) selects
+// its masked instance.
 // Returns cudaErrorInvalidValue, launching nothing, when TMA cannot address the tensors
 // (make_tensor_map_bf16_sw128: 16-byte aligned bases and strides).
 template <int kDimNope, int kDimRope, int kDimV>

@@ -1,6 +1,6 @@
 // Launchers of the lightning-indexer kernels (docs/design.md#lightning-indexer, #top-k): query
-// quantization, logits over the index-key pool, per-row top-k, and top-k positions -> pool
-// locations. Plain parameter structs; every index read from device memory is bound-checked in
+// quantization, logits over the index-key pool, per-row top-k, top-k positions -> pool
+// locations, and top-k positions -> dense_mha's kv_mask bits. Plain parameter structs; every index read from device memory is bound-checked in
 // the kernels.
 #pragma once
 
@@ -72,6 +72,14 @@ struct PositionsToLocationsParams {
   int64_t n_kv;  // kv_start + pos < n_kv (identity: 2^31)
 };
 
+struct TopkToKvMaskParams {
+  const int32_t* positions;  // [T, k] request positions, -1 padded
+  uint32_t* mask;            // [T, words] bits: dense_mha's kv_mask
+  int64_t tokens;
+  int k;
+  int64_t words;
+};
+
 cudaError_t launch_indexer_quantize_q(const QuantizeQParams& p, cudaStream_t stream);
 // Dynamic shared memory the logits kernel needs for h_i heads of d_i values.
 size_t indexer_logits_smem_bytes(int h_i, int d_i);
@@ -95,6 +103,9 @@ cudaError_t launch_indexer_logits_sm90(const IndexerLogitsParams& p, LogitsOpera
 cudaError_t launch_topk(const TopkParams& p, int threads, cudaStream_t stream);
 int topk_threads_for(int64_t width);
 cudaError_t launch_positions_to_locations(const PositionsToLocationsParams& p, cudaStream_t stream);
+// Positions outside [0, words * 32) are skipped (the backend refuses them first where it reads
+// the values: host_value_checks).
+cudaError_t launch_topk_to_kv_mask(const TopkToKvMaskParams& p, cudaStream_t stream);
 
 namespace indexer_sm90 {
 // One instance per row of DSAKIT_INDEXER_LOGITS_SM90_INSTANCES (its launcher is in the kernel

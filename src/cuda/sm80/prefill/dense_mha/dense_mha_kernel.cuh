@@ -277,6 +277,7 @@ template <int kDimNope, int kDimRope, int kDimV>
 cudaError_t run_dense_mha(const DenseMhaParams& params, cudaStream_t stream) {
   using Tr = DenseMhaTraits<kDimNope, kDimRope, kDimV>;
   if (params.num_tiles == 0 || params.num_heads == 0) return cudaSuccess;
+  if (params.kv_mask != nullptr) return cudaErrorInvalidValue;  // the wgmma kernel's alone
   auto* kernel = &dense_mha_kernel<kDimNope, kDimRope, kDimV>;
   static std::atomic<uint64_t> smem_set{0};
   const cudaError_t err =

@@ -22,6 +22,9 @@
 //     S of block b + 1 is issued before P·V of block b, and its softmax runs while P·V does:
 //     only the O rescale waits for it. The two groups take turns issuing (named barriers
 //     kTurn0 + w), so one group's softmax overlaps the other's MMAs.
+//   kMasked (DenseMhaParams::kv_mask): S is also masked by the query's bits, read from global
+//     memory per block (a thread's two rows x kN / 32 words, loaded before the block's S is
+//     issued) and applied with the causal mask; the blocks visited are the causal ones.
 //
 // Shared memory (tiles are [rows][64 bf16] with the 128-byte swizzle, 1024-byte aligned):
 //   Q  [d_qk / 64 tiles of 128 rows]             k_nope tiles, then k_pe
@@ -178,7 +181,7 @@ __device__ __forceinline__ void merge_split_blocks(float (&o)[kDimV / 2], float 
   }
 }
 
-template <int kDimNope, int kDimRope, int kDimV>
+template <int kDimNope, int kDimRope, int kDimV, bool kMasked>
 __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kThreads, 1)
     dense_mha_sm90_kernel(const __grid_constant__ DenseMhaSm90Params params) {
   using Tr = DenseSm90Traits<kDimNope, kDimRope, kDimV>;
@@ -314,6 +317,35 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   const int limit[2] = {tile.first_query_pos + row0, tile.first_query_pos + row0 + 8};
   const float scale_log2 = p.sm_scale * kLog2e;
 
+  // kMasked: the bits of one block, chunk c of row r covering positions n0 + 32 c + [0, 32),
+  // shifted right by 2 q: column 4 j + e of s (position n0 + 8 j + 2 q + (e & 1)) is kept iff
+  // bit 8 (j % 4) + (e & 1) of mask_bits[e >> 1][j / 4] is set. A row past the tile's rows reads
+  // no word (all masked; never written).
+  constexpr int kMaskChunks = (kN + 31) / 32;
+  uint32_t mask_bits[2][kMaskChunks];
+  const uint32_t* mask_row[2] = {nullptr, nullptr};
+  if constexpr (kMasked)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (row0 + 8 * r < tile.q_len)
+        mask_row[r] = p.kv_mask + (int64_t(tile.q_begin) + row0 + 8 * r) * p.kv_mask_words;
+  const auto load_mask = [&](int b) {
+    if constexpr (kMasked) {
+      const int n0 = b * kN, w0 = n0 / 32;
+      const auto word = [&](int r, int w) {
+        return mask_row[r] != nullptr && w < p.kv_mask_words ? __ldg(mask_row[r] + w) : 0u;
+      };
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < kMaskChunks; ++c) {
+          uint32_t bits = word(r, w0 + c);
+          if constexpr (kN % 32 != 0) bits = __funnelshift_r(bits, word(r, w0 + c + 1), n0 % 32);
+          mask_bits[r][c] = bits >> (2 * q);
+        }
+    }
+  };
+
   float o[kDimV / 2];
 #pragma unroll
   for (int i = 0; i < kDimV / 2; ++i) o[i] = 0.f;
@@ -363,6 +395,8 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
         const int pos = n0 + 8 * j + 2 * q + (e & 1);
         float& x = s[4 * j + e];
         if (needs_mask && pos > limit[e >> 1]) x = -INFINITY;
+        if constexpr (kMasked)
+          if (((mask_bits[e >> 1][j / 4] >> (8 * (j % 4) + (e & 1))) & 1u) == 0) x = -INFINITY;
         block_max[e >> 1] = fmaxf(block_max[e >> 1], x);
       }
 #pragma unroll
@@ -387,6 +421,7 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   };
 
   if (my_blocks > 0) {
+    load_mask(block_begin + first);
     sm90::mbarrier_wait(bar_q, 0);
     sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(first)), phase_of(first));
     take_turn();
@@ -408,6 +443,7 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
     for (int ks = 0; ks < kN / 16; ++ks)
 #pragma unroll
       for (int e = 0; e < 4; ++e) a[ks][e] = pack_bf16x2(s[8 * ks + 2 * e], s[8 * ks + 2 * e + 1]);
+    if constexpr (kNext) load_mask(block_begin + next);
     if constexpr (kNext) sm90::mbarrier_wait(bar(Tr::kBarKFull, stage_of(next)), phase_of(next));
     sm90::mbarrier_wait(bar(Tr::kBarVFull, stage_of(i)), phase_of(i));
     take_turn();
@@ -506,7 +542,8 @@ template <int kDimNope, int kDimRope, int kDimV>
 cudaError_t run_dense_mha_sm90(const DenseMhaParams& p, cudaStream_t stream) {
   using Tr = DenseSm90Traits<kDimNope, kDimRope, kDimV>;
   if (p.num_tiles == 0 || p.num_heads == 0) return cudaSuccess;
-  if (p.v_slices != 1 || p.d_v_total != kDimV || p.head_group < 1 || p.head_group > p.num_heads)
+  if (p.v_slices != 1 || p.d_v_total != kDimV || p.head_group < 1 || p.head_group > p.num_heads ||
+      (p.kv_mask != nullptr && p.kv_mask_words < 1))
     return cudaErrorInvalidValue;
   const int64_t num_ctas = int64_t(p.num_tiles) * p.num_heads;
   if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
@@ -535,9 +572,12 @@ cudaError_t run_dense_mha_sm90(const DenseMhaParams& p, cudaStream_t stream) {
     err = make_tensor_map_bf16_sw128(&params.k_pe, p.k_pe, 2, dims, strides, pe_box);
   }
   if (err != cudaSuccess) return err;
-  auto* kernel = &dense_mha_sm90_kernel<kDimNope, kDimRope, kDimV>;
-  static std::atomic<uint64_t> smem_set{0};
-  err = opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), Tr::kSmemBytes, smem_set);
+  const bool masked = p.kv_mask != nullptr;
+  auto* kernel = masked ? &dense_mha_sm90_kernel<kDimNope, kDimRope, kDimV, true>
+                        : &dense_mha_sm90_kernel<kDimNope, kDimRope, kDimV, false>;
+  static std::atomic<uint64_t> smem_set[2] = {0, 0};  // per instance: plain, masked
+  err = opt_in_dynamic_smem(reinterpret_cast<const void*>(kernel), Tr::kSmemBytes,
+                            smem_set[masked ? 1 : 0]);
   if (err != cudaSuccess) return err;
   kernel<<<dim3(unsigned(num_ctas)), Tr::kThreads, Tr::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
