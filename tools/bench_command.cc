@@ -172,6 +172,7 @@ int bench_command(const BenchOptions& o) {
   LayerBenchOptions lb_options;
   lb_options.fp8_weights = o.fp8_weights;
   lb_options.sparse_rows = parse_sparse_rows(o.sparse_rows);
+  lb_options.sparse_form = parse_sparse_form(o.sparse_form);
   const std::string json_path =
       !o.json.empty() ? o.json : (!o.plot.empty() ? o.plot + ".json" : std::string());
 

@@ -217,6 +217,12 @@ int run_cli(int argc, char** argv) {
                   "prefill), pool, or staged (docs/layer.md#staged-rows); DSAKIT_SPARSE_ROWS "
                   "overrides it")
       ->capture_default_str();
+  run->add_option("--sparse-form", ro.sparse_form,
+                  "How the sparse path attends to the top-k: mla (absorbed MLA over the selected "
+                  "rows) or masked-mha (the top-k as a mask over dense MHA of every context row: "
+                  "the same function, causal work at dense MHA's cheaper per-pair cost; "
+                  "docs/layer.md#masked-mha); DSAKIT_SPARSE_FORM overrides it")
+      ->capture_default_str();
 
   PlanOptions po;
   CLI::App* plan = app.add_subcommand(
@@ -305,6 +311,11 @@ int run_cli(int argc, char** argv) {
                    "How the sparse path reads fp8 / fp8-raw pools, as for dsakit run: auto, pool "
                    "or staged (groups marked pool / staged where not auto); DSAKIT_SPARSE_ROWS "
                    "overrides it")
+      ->capture_default_str();
+  bench
+      ->add_option("--sparse-form", bo.sparse_form,
+                   "The sparse path's attention, as for dsakit run: mla or masked-mha (groups "
+                   "marked masked-mha); DSAKIT_SPARSE_FORM overrides it")
       ->capture_default_str();
   bench->add_option("--seed", bo.seed, "Seed of the random inputs")->capture_default_str();
   bench->add_flag("--quiet", bo.quiet, "No progress line");

@@ -195,6 +195,10 @@ int bench_dcp_command(const BenchOptions& bo) {
   DSAKIT_CHECK_ARG(!bo.fp8_weights,
                    "--fp8-weights: not offered with --dcp (its ranks draw bf16 "
                    "weights)");
+  DSAKIT_CHECK_ARG(bo.sparse_form == "mla",
+                   "--sparse-form: with --dcp the ranks run mla (their top-k merge combines MLA "
+                   "partials), got '",
+                   bo.sparse_form, "'");
   DSAKIT_CHECK_ARG(bo.device == "auto" || bo.device == "cuda",
                    "bench --dcp runs one process per GPU (--device cuda)");
   DSAKIT_CHECK_ARG(bo.min_runs >= 1 && bo.runs >= bo.min_runs,

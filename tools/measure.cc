@@ -90,13 +90,19 @@ SparseRows LayerBench::sparse_rows() const {
   return state_ ? state_->sets.front()->layer->options().sparse_rows : options_.sparse_rows;
 }
 
+SparseForm LayerBench::sparse_form() const {
+  return state_ ? state_->sets.front()->layer->options().sparse_form : options_.sparse_form;
+}
+
 std::string LayerBench::group() const {
   const SparseRows rows = sparse_rows();
-  return fmt::format("{} H={} {}{}{}", config_.name, config_.num_heads, to_string(layout_),
-                     fp8_weights() ? " w8" : "",
-                     layout_ == KvLayout::kBf16 || rows == SparseRows::kAuto
-                         ? std::string()
-                         : std::string(" ") + to_string(rows));
+  return fmt::format(
+      "{} H={} {}{}{}{}", config_.name, config_.num_heads, to_string(layout_),
+      fp8_weights() ? " w8" : "",
+      layout_ == KvLayout::kBf16 || rows == SparseRows::kAuto ? std::string()
+                                                              : std::string(" ") + to_string(rows),
+      sparse_form() == SparseForm::kMla ? std::string()
+                                        : std::string(" ") + to_string(sparse_form()));
 }
 
 const Batch& LayerBench::batch() const {
@@ -179,6 +185,7 @@ void LayerBench::prepare(const BenchShape& shape) {
     LayerOptions o;
     if (fp8_weights()) o.kv_b_proj_fp8 = {st->w_codes, st->w_scales};
     o.sparse_rows = options_.sparse_rows;
+    o.sparse_form = options_.sparse_form;
     set->layer = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
     o.time_stages = true;
     set->staged = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);

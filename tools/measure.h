@@ -53,6 +53,7 @@ struct LayerBenchOptions {
   // random block-scaled weights); only fp8 / fp8-raw pools use it.
   bool fp8_weights = false;
   SparseRows sparse_rows = SparseRows::kAuto;  // LayerOptions::sparse_rows
+  SparseForm sparse_form = SparseForm::kMla;   // LayerOptions::sparse_form
 };
 
 class LayerBench {
@@ -65,10 +66,13 @@ class LayerBench {
   KvLayout layout() const { return layout_; }
   // Whether the layers' dense path reads FP8 weights (asked for, and the pool is FP8).
   bool fp8_weights() const { return options_.fp8_weights && layout_ != KvLayout::kBf16; }
-  // The layers' sparse_rows as they run (DSAKIT_SPARSE_ROWS applied once a shape is prepared).
+  // The layers' sparse_rows and sparse_form as they run (DSAKIT_SPARSE_ROWS / _FORM applied
+  // once a shape is prepared).
   SparseRows sparse_rows() const;
-  // The rows' group: "deepseek-v3.2 H=16 fp8", then " w8" where the layers read FP8 weights and
-  // " pool" / " staged" where an fp8 pool's sparse_rows is not auto.
+  SparseForm sparse_form() const;
+  // The rows' group: "deepseek-v3.2 H=16 fp8", then " w8" where the layers read FP8 weights,
+  // " pool" / " staged" where an fp8 pool's sparse_rows is not auto, and " masked-mha" where the
+  // sparse path is the masked dense form.
   std::string group() const;
 
   // Allocates pools and random inputs for `shape` (up to 3 rotated sets while one set stays

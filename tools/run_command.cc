@@ -130,6 +130,8 @@ void print_run_json(const RunOptions& opt, const RunState& run, const StepSummar
   j["chunk"] = opt.chunk;
   j["decode_steps"] = run.len.decode_steps;
   j["sm_scale"] = run.layer->sm_scale();
+  j["sparse_rows"] = to_string(run.layer->options().sparse_rows);
+  j["sparse_form"] = to_string(run.layer->options().sparse_form);
   j["plans"] = json::array();
   for (const auto& p : steps.plan_order)
     j["plans"].push_back({{"plan", p}, {"steps", steps.plans.at(p)}});
@@ -142,6 +144,7 @@ void print_run_json(const RunOptions& opt, const RunState& run, const StepSummar
                  {"max_rss_bytes", mem.max_rss_bytes}};
   if (opt.verify)
     j["verify"] = {{"tokens", vr.tokens},
+                   {"sparse_tokens", vr.sparse_tokens},
                    {"o_rel_l2", vr.o_rel},
                    {"lse_max_abs", vr.lse_abs},
                    {"topk_agreement", vr.topk_agree},
@@ -197,6 +200,10 @@ void check_run_options(const RunOptions& opt) {
                    opt.verify_tol);
   DSAKIT_CHECK_ARG(!opt.fp8_weights || opt.dcp == 0,
                    "--fp8-weights: not offered with --dcp (its ranks draw bf16 weights)");
+  DSAKIT_CHECK_ARG(opt.sparse_form == "mla" || opt.dcp == 0,
+                   "--sparse-form: with --dcp the ranks run mla (their top-k merge combines MLA "
+                   "partials), got '",
+                   opt.sparse_form, "'");
   DSAKIT_CHECK_ARG(opt.max_workspace_mb >= 0 && opt.max_workspace_mb <= (int64_t(1) << 40),
                    "--max-workspace-mb: expected 0..2^40 (0: no limit), got ",
                    opt.max_workspace_mb);
@@ -299,6 +306,7 @@ LayerOptions run_layer_options(const RunOptions& opt) {
   lo.time_stages = true;
   lo.max_workspace_bytes = opt.max_workspace_mb << 20;
   lo.sparse_rows = parse_sparse_rows(opt.sparse_rows);
+  lo.sparse_form = parse_sparse_form(opt.sparse_form);
   return lo;
 }
 

@@ -26,6 +26,7 @@ Sample sample_tokens(const RunOptions& opt, const RunState& run) {
   const RunOutputs& out = run.out;
   // Path per row, from the step that computed it.
   std::vector<int8_t> dense_row(size_t(tokens.rows()), -1);
+  const bool masked = run.layer->options().sparse_form == SparseForm::kMaskedMha;
   for (size_t i = run.prefix_steps; i < out.steps.size(); ++i) {
     const StepRecord& st = out.steps[i];
     size_t j = 0;
@@ -49,7 +50,8 @@ Sample sample_tokens(const RunOptions& opt, const RunState& run) {
       pick.insert(cand[i]);
     for (int32_t p : pick) {
       const int64_t row = tokens.offset(int(r)) + p;
-      s.queries.push_back({int(r), p, dense_row[size_t(row)] == 1});
+      const bool dense = dense_row[size_t(row)] == 1;
+      s.queries.push_back({int(r), p, dense, dense || masked});
       s.rows.push_back(row);
     }
   }

@@ -57,6 +57,17 @@ enum class SparseRows : uint8_t {
 const char* to_string(SparseRows rows);              // "auto" | "pool" | "staged"
 SparseRows parse_sparse_rows(const std::string& s);  // throws naming the accepted names
 
+// How the sparse path attends to the indexer's top-k (docs/layer.md#masked-mha): the same
+// function either way (attention of each query over its selected positions).
+enum class SparseForm : uint8_t {
+  kMla,        // absorbed MLA over the selected pool rows (sparse_mla): work ∝ Σ_t min(ctx_t, k)
+  kMaskedMha,  // the top-k as dense_mha's kv_mask over the up-projected K/V of every context row:
+               // causal work (∝ Σ_t ctx_t) at dense MHA's cheaper per-pair cost; backends with
+               // Capabilities::dense_kv_mask and a dense kernel for the head dims
+};
+const char* to_string(SparseForm form);              // "mla" | "masked-mha"
+SparseForm parse_sparse_form(const std::string& s);  // throws naming the accepted names
+
 struct LayerOptions {
   double sm_scale = 0;                // 0: ModelConfig::softmax_scale()
   DType output_dtype = DType::kBF16;  // bf16 or f32
@@ -77,6 +88,11 @@ struct LayerOptions {
   // The sparse path's fp8 pool reads; DSAKIT_SPARSE_ROWS (auto | pool | staged), read when the
   // layer is constructed, overrides it. Staged or not, the values read are the same.
   SparseRows sparse_rows = SparseRows::kAuto;
+  // The sparse path's attention; DSAKIT_SPARSE_FORM (mla | masked-mha), read when the layer is
+  // constructed, overrides it. kMaskedMha on a backend without the masked dense kernel is
+  // Error(kUnsupported) then. DcpSimulation's ranks run kMla (their top-k merge needs MLA's
+  // partial results).
+  SparseForm sparse_form = SparseForm::kMla;
 };
 
 // Checks layer inputs against the config for T new tokens on `device` (throws naming the tensor).

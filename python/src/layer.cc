@@ -515,7 +515,7 @@ void bind_layer(nb::module_& m) {
              const std::string& dispatch, int64_t threshold, bool allow_approximation,
              int64_t chunk_capacity, bool allow_split, double min_split_gain,
              std::optional<std::string> profile, bool time_stages, int64_t max_workspace_bytes,
-             const std::string& sparse_rows) {
+             const std::string& sparse_rows, const std::string& sparse_form) {
             LayerOptions o;
             o.sm_scale = sm_scale;
             o.output_dtype = parse_dtype(output_dtype);
@@ -529,12 +529,14 @@ void bind_layer(nb::module_& m) {
             o.time_stages = time_stages;
             o.max_workspace_bytes = max_workspace_bytes;
             o.sparse_rows = parse_sparse_rows(sparse_rows);
+            o.sparse_form = parse_sparse_form(sparse_form);
             new (self) LayerOptions(std::move(o));
           },
           nb::kw_only(), "sm_scale"_a = 0.0, "output_dtype"_a = "bf16", "dispatch"_a = "rule",
           "threshold"_a = -1, "allow_approximation"_a = false, "chunk_capacity"_a = 131072,
           "allow_split"_a = true, "min_split_gain"_a = 0.05, "profile"_a = nb::none(),
-          "time_stages"_a = false, "max_workspace_bytes"_a = 0, "sparse_rows"_a = "auto")
+          "time_stages"_a = false, "max_workspace_bytes"_a = 0, "sparse_rows"_a = "auto",
+          "sparse_form"_a = "mla")
       .def_rw("sm_scale", &LayerOptions::sm_scale)
       .def_prop_ro("output_dtype",
                    [](const LayerOptions& o) { return std::string(to_string(o.output_dtype)); })
@@ -545,7 +547,9 @@ void bind_layer(nb::module_& m) {
       .def_rw("time_stages", &LayerOptions::time_stages)
       .def_rw("max_workspace_bytes", &LayerOptions::max_workspace_bytes)
       .def_prop_ro("sparse_rows",
-                   [](const LayerOptions& o) { return std::string(to_string(o.sparse_rows)); });
+                   [](const LayerOptions& o) { return std::string(to_string(o.sparse_rows)); })
+      .def_prop_ro("sparse_form",
+                   [](const LayerOptions& o) { return std::string(to_string(o.sparse_form)); });
 
   nb::class_<PyPrepared>(m, "PreparedBatch",
                          "A batch planned by one layer with its index arrays on the device "

@@ -40,6 +40,22 @@ SparseRows parse_sparse_rows(const std::string& s) {
   DSAKIT_FAIL(kInvalidArgument, "sparse rows: expected 'auto', 'pool' or 'staged', got '", s, "'");
 }
 
+const char* to_string(SparseForm form) {
+  switch (form) {
+    case SparseForm::kMla:
+      return "mla";
+    case SparseForm::kMaskedMha:
+      return "masked-mha";
+  }
+  return "?";
+}
+
+SparseForm parse_sparse_form(const std::string& s) {
+  for (SparseForm f : {SparseForm::kMla, SparseForm::kMaskedMha})
+    if (s == to_string(f)) return f;
+  DSAKIT_FAIL(kInvalidArgument, "sparse form: expected 'mla' or 'masked-mha', got '", s, "'");
+}
+
 DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv_pool,
                            IndexKeyPool& index_pool, TensorView kv_b_proj, LayerOptions options)
     : config_(std::move(config)),
@@ -84,6 +100,7 @@ DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv
                    options_.max_workspace_bytes);
   sm_scale_ = options_.sm_scale > 0 ? options_.sm_scale : config_.softmax_scale();
   options_.sparse_rows = detail::resolve_sparse_rows(kv_pool_, options_.sparse_rows);
+  options_.sparse_form = detail::resolve_sparse_form(backend_, config_, options_.sparse_form);
   set_policy(options_.policy);
 }
 
@@ -123,8 +140,10 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
   const int64_t t = batch.num_new_tokens(), n = batch.total_kv_len(), h = c.num_heads;
   const int64_t mid = int64_t(dtype_size(backend_.capabilities().intermediate_dtype));
   // Outputs o, lse; the index arrays.
-  int64_t bytes = t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h +
-                  index_bytes(batch);
+  const int64_t outputs_and_index =
+      t * h * c.v_head_dim * int64_t(dtype_size(options_.output_dtype)) + 4 * t * h +
+      index_bytes(batch);
+  int64_t bytes = outputs_and_index;
   const Backend& be = backend_;
   if (path == AttentionPath::kDenseMha) {
     // c_kv (or the FP8 up-projection's own scratch), k_pe of every position; k_nope, v
@@ -137,13 +156,16 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
              be.dense_mha_scratch_bytes(n, h, c.qk_nope_head_dim, c.v_head_dim);
     return bytes;
   }
-  // Top-k positions and locations [T, k]; q_abs, o_lat [T, H, d_c]; the indexer's blocks; the
-  // staged rows.
+  // Top-k positions [T, k]; the indexer's blocks; then per form: locations [T, k], q_abs and
+  // o_lat [T, H, d_c] and the staged rows, or the mask [T, W] and the dense path's K/V.
   const int64_t k = c.index_topk;
-  bytes += 8 * t * k + 2 * mid * t * h * c.kv_lora_rank +
-           IndexerBlocks::plan(t, c.index_n_heads, c.index_head_dim, n, c.index_topk,
-                               indexer_block_bytes())
-               .bytes;
+  bytes += 4 * t * k + IndexerBlocks::plan(t, c.index_n_heads, c.index_head_dim, n, c.index_topk,
+                                           indexer_block_bytes())
+                           .bytes;
+  if (options_.sparse_form == SparseForm::kMaskedMha)
+    return bytes + 4 * t * detail::kv_mask_words(batch.max_kv_len()) +
+           workspace_bytes(batch, AttentionPath::kDenseMha) - outputs_and_index;
+  bytes += 4 * t * k + 2 * mid * t * h * c.kv_lora_rank;
   if (detail::stage_sparse_rows(be, kv_pool_, options_.sparse_rows, batch, c))
     bytes += detail::staged_rows_bytes(kv_pool_.desc(), n);
   return bytes;
@@ -185,9 +207,10 @@ void DsaAttention::run_path(AttentionPath path, const Batch& batch, const BatchI
     }
     case AttentionPath::kSparseMla:
       detail::sparse_path(
-          backend_, config_, sm_scale_, kv_pool_, index_pool_, dev, in, kv_b_proj_, o, lse, topk,
-          stage,
-          detail::stage_sparse_rows(backend_, kv_pool_, options_.sparse_rows, batch, config_));
+          backend_, config_, sm_scale_, kv_pool_, index_pool_, bi, dev, in, kv_b_proj_, o, lse,
+          topk, stage, options_.sparse_form,
+          detail::stage_sparse_rows(backend_, kv_pool_, options_.sparse_rows, batch, config_),
+          detail::fp8_up_proj_weights(backend_, kv_pool_, options_));
       return;
     case AttentionPath::kMixed:
       break;

@@ -1,6 +1,7 @@
 #include "src/layer/paths.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 
 #include "dsakit/cost_model.h"
@@ -47,7 +48,8 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
                 const std::vector<int32_t>& cu_kv, const TensorView& d_cu_q,
                 const TensorView& d_cu_kv, const std::vector<int32_t>* kv_visible,
                 const TensorView& d_kv_visible, const TensorView& o, const TensorView& lse,
-                const StageFn& stage, const KvRows& stored, const Fp8BlockWeights* kv_b_proj_fp8) {
+                const StageFn& stage, const KvRows& stored, const Fp8BlockWeights* kv_b_proj_fp8,
+                const TensorView& kv_mask) {
   const DType mid = be.capabilities().intermediate_dtype;
   const int64_t n = kv_locs.shape[0], h = c.num_heads;
   const bool fp8 = kv_b_proj_fp8 != nullptr && stored.empty();
@@ -97,6 +99,7 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
     a.kv_visible = d_kv_visible;
     a.kv_visible_host = kv_visible->data();
   }
+  a.kv_mask = kv_mask;
   a.num_requests = int(cu_q.size()) - 1;
   a.sm_scale = sm_scale;
   a.o = o;
@@ -180,10 +183,37 @@ PagedKvPool stage_rows(Backend& be, const PagedKvPool& pool, const TensorView& k
   return rows;
 }
 
+SparseForm resolve_sparse_form(const Backend& be, const ModelConfig& c, SparseForm option) {
+  if (const char* v = std::getenv("DSAKIT_SPARSE_FORM"); v && *v) {
+    try {
+      option = parse_sparse_form(v);
+    } catch (const Error& e) {
+      DSAKIT_FAIL(kInvalidArgument, "DSAKIT_SPARSE_FORM: ", e.what());
+    }
+  }
+  if (option == SparseForm::kMaskedMha) {
+    const Capabilities& caps = be.capabilities();
+    const std::array<int, 3> dims{c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim};
+    const bool dims_ok = caps.dense_head_dims.empty() ||
+                         std::find(caps.dense_head_dims.begin(), caps.dense_head_dims.end(),
+                                   dims) != caps.dense_head_dims.end();
+    DSAKIT_CHECK(caps.dense_mha && caps.dense_kv_mask && dims_ok, kUnsupported,
+                 "sparse form masked-mha: the ", caps.device_name,
+                 " backend has no masked dense MHA kernel for head dims (", dims[0], ", ", dims[1],
+                 ", ", dims[2], ") (Capabilities::dense_kv_mask); use 'mla'");
+  }
+  return option;
+}
+
+int64_t kv_mask_words(int64_t max_kv_len) {
+  return std::max<int64_t>(1, (max_kv_len + 31) / 32);
+}
+
 void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& kv_pool,
-                 const IndexKeyPool& index_pool, const DeviceBatchIndex& dev, const LayerInputs& in,
-                 const TensorView& kv_b_proj, const TensorView& o, const TensorView& lse,
-                 const TensorView& topk, const StageFn& stage, bool staged_rows) {
+                 const IndexKeyPool& index_pool, const BatchIndex& bi, const DeviceBatchIndex& dev,
+                 const LayerInputs& in, const TensorView& kv_b_proj, const TensorView& o,
+                 const TensorView& lse, const TensorView& topk, const StageFn& stage,
+                 SparseForm form, bool staged_rows, const Fp8BlockWeights* kv_b_proj_fp8) {
   const int64_t t = in.q_nope.shape[0], h = c.num_heads;
   const int k = c.index_topk;
   const DType mid = be.capabilities().intermediate_dtype;
@@ -193,6 +223,16 @@ void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const Paged
   layout.kv_start = dev.kv_start;
   layout.ctx_len = dev.ctx_len;
   stage("indexer_topk", [&] { be.indexer_topk(in.idx_q, in.idx_w, layout, k, topk); });
+  if (form == SparseForm::kMaskedMha) {
+    int32_t longest = 0;
+    for (size_t r = 0; r + 1 < bi.cu_kv.size(); ++r)
+      longest = std::max(longest, bi.cu_kv[r + 1] - bi.cu_kv[r]);
+    Tensor mask = be.empty(DType::kI32, {t, kv_mask_words(longest)});
+    stage("topk_to_kv_mask", [&] { be.topk_to_kv_mask(topk, mask); });
+    dense_path(be, c, sm_scale, kv_pool, dev.kv_locs, in.q_nope, in.q_pe, kv_b_proj, bi.cu_q,
+               bi.cu_kv, dev.cu_q, dev.cu_kv, nullptr, {}, o, lse, stage, {}, kv_b_proj_fp8, mask);
+    return;
+  }
   // Staged: the context rows in kv_locs order; the positions then map to their rows by the
   // identity (kv_start + pos).
   PagedKvPool rows;

@@ -48,6 +48,8 @@ using StageFn = std::function<void(const char* name, const std::function<void()>
 // shards) with its device copy d_kv_visible. Writes o [T, H, d_v] and lse [T, H].
 // stored (optional): the rows of kv_locs exactly as the gather would return them, bit for bit
 // (pool_rows_are_inputs() says when the caller's inputs are); the gather is then skipped.
+// kv_mask (optional, i32 [T, W] on the device): DenseMhaArgs::kv_mask (the sparse path's
+// masked-MHA form).
 struct KvRows {
   TensorView c_kv;  // [N, d_c] intermediate dtype
   TensorView k_pe;  // [N, d_rope]
@@ -60,7 +62,7 @@ void dense_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedK
                 const TensorView& d_cu_kv, const std::vector<int32_t>* kv_visible,
                 const TensorView& d_kv_visible, const TensorView& o, const TensorView& lse,
                 const StageFn& stage, const KvRows& stored = {},
-                const Fp8BlockWeights* kv_b_proj_fp8 = nullptr);
+                const Fp8BlockWeights* kv_b_proj_fp8 = nullptr, const TensorView& kv_mask = {});
 
 // LayerOptions::kv_b_proj_fp8 where the dense path's K/V up-projection takes it (given, an fp8
 // or fp8-raw pool, a backend with Capabilities::fp8_up_proj), else null.
@@ -98,15 +100,28 @@ SparseRows resolve_sparse_rows(const PagedKvPool& pool, SparseRows option);
 PagedKvPool stage_rows(Backend& be, const PagedKvPool& pool, const TensorView& kv_locs,
                        const StageFn& stage);
 
-// Sparse MLA of the T new tokens `dev` indexes: the indexer's top-k positions (into topk i32
-// [T, index_topk], ascending, -1 padded), positions -> pool locations (or, with staged_rows, the
-// rows of the bf16 copy), q absorption, absorbed sparse attention over the selected rows (each
-// token stopping at its context length), and the V up-projection into o [T, H, d_v]; lse [T, H].
-// Inputs: the layer's q_nope, q_pe, idx_q, idx_w.
+// LayerOptions::sparse_form as the layer runs it (DSAKIT_SPARSE_FORM overrides it; a bad value
+// is an error naming the variable): Error(kUnsupported) for kMaskedMha on a backend without the
+// masked dense kernel for the config's head dims. Layers call it when made.
+SparseForm resolve_sparse_form(const Backend& be, const ModelConfig& c, SparseForm option);
+// Words per row of the masked-MHA form's kv_mask over requests of at most max_kv_len positions
+// (at least one).
+int64_t kv_mask_words(int64_t max_kv_len);
+
+// The sparse path of the T new tokens `bi` / `dev` index: the indexer's top-k positions (into
+// topk i32 [T, index_topk], ascending, -1 padded), then by `form`
+//   kMla: positions -> pool locations (or, with staged_rows, the rows of the bf16 copy), q
+//     absorption, absorbed sparse attention over the selected rows (each token stopping at its
+//     context length), and the V up-projection;
+//   kMaskedMha: the positions as kv_mask bits (topk_to_kv_mask) and dense_path over every
+//     context row with that mask (kv_b_proj_fp8 as there);
+// into o [T, H, d_v]; lse [T, H]. Inputs: the layer's q_nope, q_pe, idx_q, idx_w.
 void sparse_path(Backend& be, const ModelConfig& c, double sm_scale, const PagedKvPool& kv_pool,
-                 const IndexKeyPool& index_pool, const DeviceBatchIndex& dev, const LayerInputs& in,
-                 const TensorView& kv_b_proj, const TensorView& o, const TensorView& lse,
-                 const TensorView& topk, const StageFn& stage, bool staged_rows = false);
+                 const IndexKeyPool& index_pool, const BatchIndex& bi, const DeviceBatchIndex& dev,
+                 const LayerInputs& in, const TensorView& kv_b_proj, const TensorView& o,
+                 const TensorView& lse, const TensorView& topk, const StageFn& stage,
+                 SparseForm form = SparseForm::kMla, bool staged_rows = false,
+                 const Fp8BlockWeights* kv_b_proj_fp8 = nullptr);
 
 // Absorbed sparse attention over pool locations: o_lat [T, H, d_c] and lse [T, H] from
 // q_abs [T, H, d_c], q_pe [T, H, d_rope] and indices i32 [T, k] (pool locations, -1 skipped).

@@ -105,7 +105,7 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
   if (s.bf16_intermediates) {
     std::map<int, int32_t> need;  // request -> positions its dense queries read
     for (const auto& q : queries)
-      if (q.all_positions) need[q.request] = std::max(need[q.request], q.pos + 1);
+      if (q.all_positions || q.dense_kv) need[q.request] = std::max(need[q.request], q.pos + 1);
     for (const auto& [r, n] : need) dense.emplace(r, up_project(s, cache.at(r), w_dense, n));
   }
 
@@ -148,7 +148,8 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
       for (int32_t p : top)
         if (p >= 0) sel.push_back(p);
     }
-    if (q.all_positions && s.bf16_intermediates) {
+    const bool dense_kv = q.all_positions || q.dense_kv;
+    if (dense_kv && s.bf16_intermediates) {
       // Dense path as the backend runs it: bf16 up-projected K/V per head.
       // Keys are [k_nope of the head, bf16 k_pe], values the head's v, as doubles.
       const DenseKv& dk = dense.at(q.request);
@@ -178,9 +179,9 @@ LayerReference layer_outputs(const LayerSnapshot& s, const std::vector<TokenQuer
       out.selected[size_t(qi)] = std::move(sel);
       continue;
     }
-    // Absorbed attention over the selected rows, then V up-projection (for a dense query, with
-    // the dense path's weights: the same function as its up-projected K/V).
-    const Vec& w = q.all_positions ? w_dense : w_sparse;
+    // Absorbed attention over the selected rows, then V up-projection (for a dense_kv query,
+    // with the dense path's weights: the same function as its up-projected K/V).
+    const Vec& w = dense_kv ? w_dense : w_sparse;
     const auto mid = [&](double x) { return s.bf16_intermediates ? bf16_round(x) : x; };
     std::vector<const double*> rows(sel.size());  // keys: all d_c + d_rope values; values: d_c
     for (size_t i = 0; i < sel.size(); ++i) rows[i] = &kv.kv[size_t(sel[i]) * dkv];

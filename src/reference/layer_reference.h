@@ -46,6 +46,10 @@ struct TokenQuery {
   int request = 0;
   int32_t pos = 0;
   bool all_positions = false;  // attend to every visible position (dense path), else top-k
+  // Attend through the dense path's up-projected K/V (its weights and, with bf16_intermediates,
+  // its bf16 roundings) rather than the absorbed form: the dense path, and the sparse path's
+  // masked-MHA form (LayerOptions::sparse_form) over the top-k. all_positions implies it.
+  bool dense_kv = false;
 };
 
 struct LayerReference {

@@ -14,7 +14,8 @@ def dsakit(build_file) -> pathlib.Path:
 @pytest.fixture
 def run(dsakit):
     """run(*args, env={...}) -> CompletedProcess; never a signal (a crash fails the test). The
-    environment's dispatch and sparse-rows overrides are dropped; `env` sets variables."""
+    environment's dispatch, sparse-rows and sparse-form overrides are dropped; `env` sets
+    variables."""
 
     def _run(*args, timeout=600, env=None):
         extra = env or {}
@@ -22,6 +23,7 @@ def run(dsakit):
         env.pop("DSAKIT_DISPATCH", None)
         env.pop("DSAKIT_DENSE_KV_LEN_THRESHOLD", None)
         env.pop("DSAKIT_SPARSE_ROWS", None)
+        env.pop("DSAKIT_SPARSE_FORM", None)
         env.update(extra)
         p = subprocess.run([str(dsakit), *map(str, args)], capture_output=True, text=True,
                            timeout=timeout, env=env)

@@ -104,6 +104,25 @@ def test_bench_sparse_rows(run, tmp_path):
     assert p.returncode == 2 and "sparse rows" in p.stderr, p.stderr
 
 
+def test_bench_sparse_form(run, tmp_path):
+    """--sparse-form masked-mha: the sparse rows run the masked dense form (topk_to_kv_mask and
+    dense_mha stages, no sparse_mla), the group is marked and each row carries the form."""
+    out = tmp_path / "masked.json"
+    p = run("bench", "--device", "cpu", "--threads", "2", "--models", "deepseek-v3.2:8", "--kv",
+            "bf16", "--grid", "quick", "--fresh", "128", "--prefixes", "384", "--extends", "1",
+            "--no-mixed", "--modes", "sparse", *FAST, "--sparse-form", "masked-mha", "--quiet",
+            "--json", out)
+    assert p.returncode == 0, p.stderr
+    doc = load(out)
+    assert doc["rows"], doc
+    for r in doc["rows"]:
+        assert r["group"] == "deepseek-v3.2 H=16 bf16 masked-mha" and r["sparse_form"] == "masked-mha"
+        stages = r["modes"]["sparse"]["stages"]
+        assert "topk_to_kv_mask" in stages and "sparse_mla" not in stages, stages
+    p = run("bench", "--device", "cpu", "--sparse-form", "dense")
+    assert p.returncode == 2 and "sparse form" in p.stderr, p.stderr
+
+
 def test_calibrated_profile_drives_cost_mode(run, profile, tmp_path):
     doc = load(profile)
     assert doc["format"] == "dsakit-cost-profile"

@@ -204,6 +204,27 @@ def test_run_sparse_rows(run):
     assert p.returncode == 2 and "sparse_rows staged" in p.stderr, p.stderr
 
 
+def test_run_sparse_form_masked_mha(run):
+    """--sparse-form masked-mha: the sparse path attends to its top-k as dense MHA under a mask
+    (stages topk_to_kv_mask and dense_mha, no sparse_mla) over a prefix and chunks past the
+    top-k, and matches the float64 reference; a bad value and --dcp are refused."""
+    p = run("run", "--device", "cpu", "--tp", "8", "--prompts", "2200", "--prefix", "900",
+            "--chunk", "700", "--dispatch", "sparse", "--sparse-form", "masked-mha", "--verify",
+            "--verify-tokens", "10", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(p.stdout)
+    assert report["verify"]["pass"] and report["verify"]["sparse_tokens"] > 0, report["verify"]
+    assert report["sparse_form"] == "masked-mha"
+    stages = report["stages_ms"]
+    assert "topk_to_kv_mask" in stages and "dense_mha" in stages, stages
+    assert "sparse_mla" not in stages, stages
+    p = run("run", "--device", "cpu", "--prompts", "64", "--sparse-form", "masked")
+    assert p.returncode == 2 and "masked-mha" in p.stderr, p.stderr
+    p = run("run", "--device", "cuda", "--prompts", "64", "--dcp", "2", "--sparse-form",
+            "masked-mha")  # refused before any GPU is looked for
+    assert p.returncode == 2 and "--sparse-form" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["run", "--prompts", "abc"], "--prompts"),
     (["run", "--prompts", "100,-5"], "--prompts"),

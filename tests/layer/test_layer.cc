@@ -158,13 +158,16 @@ void expect_matches_reference(Harness& h, const RunOutputs& out, const std::vect
       ix_host,
       h.tables,
       bf16_mid(h),
-      detail::fp8_up_proj_weights(*h.be, h.kv, h.layer->options()) != nullptr};
+      detail::fp8_up_proj_weights(*h.be, h.kv, h.layer->options()) != nullptr,
+      {}};  // kv_b_proj_dense: the tests' FP8 weights have pow2 block scales (kv_b_proj exact)
   std::vector<reference::TokenQuery> qs;
   std::vector<int64_t> rows;
   for (const auto& st : out.steps)
     for (int64_t row : st.rows) {
       const int r = row < len[0] ? 0 : 1;
-      qs.push_back({r, int32_t(row - (r ? len[0] : 0)), st.plan.path == AttentionPath::kDenseMha});
+      const bool dense = st.plan.path == AttentionPath::kDenseMha;
+      qs.push_back({r, int32_t(row - (r ? len[0] : 0)), dense,
+                    dense || h.layer->options().sparse_form == SparseForm::kMaskedMha});
       rows.push_back(row);
     }
   const auto ref = reference::layer_outputs(snap, qs);
@@ -372,17 +375,82 @@ bool has_stage(const StepRecord& step, const char* name) {
                      [&](const StageTime& x) { return x.stage == name; });
 }
 
-// h with a fresh pool of `policy` / `k_scale` and a layer of `rows` (sparse dispatch, stage times).
-void use_sparse_rows(Harness& h, ScalePolicy policy, float k_scale, SparseRows rows) {
-  h.kd.scale_policy = policy;
-  h.kd.k_scale = k_scale;
-  h.kv = h.be->make_kv_pool(h.kd);
+// h's layer remade on the sparse dispatch with stage times, `rows` and `form`.
+void use_sparse_layer(Harness& h, SparseRows rows, SparseForm form = SparseForm::kMla) {
   LayerOptions o;
   o.output_dtype = bf16_mid(h) ? DType::kBF16 : DType::kF32;
   o.policy.mode = DispatchMode::kSparse;
   o.time_stages = true;
   o.sparse_rows = rows;
+  o.sparse_form = form;
   h.layer = std::make_unique<DsaAttention>(h.cfg, *h.be, h.kv, h.ix, h.w, o);
+}
+
+// h with a fresh pool of `policy` / `k_scale` and a layer of `rows` (sparse dispatch, stage times).
+void use_sparse_rows(Harness& h, ScalePolicy policy, float k_scale, SparseRows rows) {
+  h.kd.scale_policy = policy;
+  h.kd.k_scale = k_scale;
+  h.kv = h.be->make_kv_pool(h.kd);
+  use_sparse_layer(h, rows);
+}
+
+// docs/layer.md#masked-mha: the sparse path's masked-MHA form (the top-k as dense_mha's kv_mask
+// over every context row's up-projected K/V) computes the MLA form's function: over a prefix,
+// chunked prefill and a decode step, the same top-k, outputs within the across-paths bounds and
+// the float64 reference's values (its dense arithmetic over the top-k); its stages are the dense
+// path's plus the mask, never sparse_mla; its workspace is the dense path's plus the indexer's
+// and the mask's. DSAKIT_SPARSE_FORM overrides the option (a bad value names the variable).
+TEST_P(LayerTest, MaskedMhaFormEqualsMla) {
+  for (KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Scaled}) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(::testing::Message() << to_string(layout) << " seed " << seed);
+    const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 64);
+    const std::vector<int32_t> prefix = {100, 0}, prompt = {150, 90}, len = {152, 92};
+    Harness mla(c, GetParam(), layout, 16, len, seed, DispatchMode::kSparse);
+    Harness masked(c, GetParam(), layout, 16, len, seed, DispatchMode::kSparse);
+    use_sparse_layer(mla, SparseRows::kPool);
+    use_sparse_layer(masked, SparseRows::kPool, SparseForm::kMaskedMha);
+    RunOutputs a, b;
+    for (const RunSchedule& s : {RunSchedule{mla.zeros(), prefix, 0, ForwardMode::kExtend},
+                                 RunSchedule{prefix, prompt, 0, ForwardMode::kExtend},
+                                 RunSchedule{prompt, len, 1, ForwardMode::kDecode}}) {
+      run_schedule(*mla.layer, mla.tables, mla.tokens, s, a);
+      run_schedule(*masked.layer, masked.tables, masked.tokens, s, b);
+    }
+    ASSERT_EQ(b.steps.size(), 4u);
+    for (size_t i = 0; i < b.steps.size(); ++i) {
+      EXPECT_TRUE(has_stage(b.steps[i], "topk_to_kv_mask")) << "step " << i;
+      EXPECT_TRUE(has_stage(b.steps[i], "dense_mha")) << "step " << i;
+      EXPECT_FALSE(has_stage(b.steps[i], "sparse_mla")) << "step " << i;
+      EXPECT_EQ(b.steps[i].plan.path, AttentionPath::kSparseMla) << "step " << i;
+    }
+    EXPECT_EQ(a.ran, b.ran);
+    EXPECT_EQ(testing::checksum(a.topk), testing::checksum(b.topk)) << "the same selection";
+    const Diff d = compare(a, b, both(a, b));
+    EXPECT_EQ(d.rows, 244);
+    EXPECT_LE(d.o_rel, tol_f32(mla));
+    EXPECT_LE(d.lse_abs, tol_lse_across_paths(mla));
+    expect_matches_reference(masked, b, len);
+
+    const Batch& prefill = b.steps[1].batch;
+    const int64_t t = prefill.num_new_tokens(), k = c.index_topk;
+    const int64_t words = (prefill.max_kv_len() + 31) / 32;
+    const int64_t indexer = masked.layer->workspace_bytes(prefill, AttentionPath::kSparseMla) -
+                            masked.layer->workspace_bytes(prefill, AttentionPath::kDenseMha);
+    EXPECT_GE(indexer, 4 * t * k + 4 * t * words) << "top-k and mask beyond the dense path's";
+  }
+
+  const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 64);
+  Harness h(c, GetParam(), KvLayout::kBf16, 16, {40}, 1, DispatchMode::kSparse);
+  ::setenv("DSAKIT_SPARSE_FORM", "masked-mha", 1);
+  use_sparse_layer(h, SparseRows::kAuto, SparseForm::kMla);
+  EXPECT_EQ(h.layer->options().sparse_form, SparseForm::kMaskedMha);
+  ::setenv("DSAKIT_SPARSE_FORM", "masked", 1);
+  testing::expect_error_naming([&] { use_sparse_layer(h, SparseRows::kAuto); },
+                               "DSAKIT_SPARSE_FORM", ErrorKind::kInvalidArgument);
+  ::unsetenv("DSAKIT_SPARSE_FORM");
+  testing::expect_error_naming([&] { parse_sparse_form("masked"); }, "masked-mha",
+                               ErrorKind::kInvalidArgument);
 }
 
 // docs/layer.md#staged-rows: the sparse path reading an FP8 pool through a bf16 copy of the
