@@ -301,3 +301,26 @@ def test_staged_rows_read_the_pools_values(rng):
     amax = dsakit.KvPool("fp8", 16, 24, scale_policy="amax")
     with pytest.raises(ValueError, match="sparse_rows staged"):
         dsakit.DsaAttention(s.cfg, amax, s.ix, s.w, dsakit.LayerOptions(sparse_rows="staged"))
+
+
+def test_sparse_form_masked_mha_equals_mla():
+    """LayerOptions(sparse_form="masked-mha"): the sparse path attends to the same top-k as dense
+    MHA under a mask (topk_to_kv_mask and dense_mha stages, no sparse_mla) with the MLA form's
+    outputs (f32 arithmetic on the CPU: within its rounding), over 130 tokens past a top-k of 64."""
+    batch = dsakit.Batch([0, 0], [100, 30], [list(range(0, 7)), list(range(7, 9))])
+    results = {}
+    for form in ("mla", "masked-mha"):
+        s = Small(np.random.default_rng(11), dispatch="sparse", time_stages=True,
+                  sparse_form=form, output_dtype="f32")
+        assert s.layer.options.sparse_form == form
+        results[form] = s.layer.forward(batch, s.inputs(130))
+    a, b = results["mla"], results["masked-mha"]
+    assert a.plan.path == b.plan.path == "sparse_mla"
+    assert "sparse_mla" in dict(a.stages) and "sparse_mla" not in dict(b.stages)
+    assert "topk_to_kv_mask" in dict(b.stages) and "dense_mha" in dict(b.stages)
+    assert np.array_equal(a.topk, b.topk) and (a.topk[:, -1] >= 0).any()  # a real selection
+    oa, ob = a.o.astype(np.float64), b.o.astype(np.float64)
+    assert np.linalg.norm(oa - ob) <= 1e-5 * np.linalg.norm(oa)
+    assert np.abs(a.lse - b.lse).max() <= 1e-3
+    with pytest.raises(ValueError, match="sparse form: expected 'mla' or 'masked-mha'"):
+        dsakit.LayerOptions(sparse_form="dense")
