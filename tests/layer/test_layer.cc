@@ -375,6 +375,19 @@ bool has_stage(const StepRecord& step, const char* name) {
                      [&](const StageTime& x) { return x.stage == name; });
 }
 
+// The same three schedules through x (into a) and y (into b): positions up to `prefix` (a cached
+// prefix), then up to `prompt`, then one decode step up to `len`.
+void run_prefix_prompt_decode(Harness& x, Harness& y, const std::vector<int32_t>& prefix,
+                              const std::vector<int32_t>& prompt, const std::vector<int32_t>& len,
+                              RunOutputs& a, RunOutputs& b) {
+  for (const RunSchedule& s : {RunSchedule{x.zeros(), prefix, 0, ForwardMode::kExtend},
+                               RunSchedule{prefix, prompt, 0, ForwardMode::kExtend},
+                               RunSchedule{prompt, len, 1, ForwardMode::kDecode}}) {
+    run_schedule(*x.layer, x.tables, x.tokens, s, a);
+    run_schedule(*y.layer, y.tables, y.tokens, s, b);
+  }
+}
+
 // h's layer remade on the sparse dispatch with stage times, `rows` and `form`.
 void use_sparse_layer(Harness& h, SparseRows rows, SparseForm form = SparseForm::kMla) {
   LayerOptions o;
@@ -411,12 +424,7 @@ TEST_P(LayerTest, MaskedMhaFormEqualsMla) {
     use_sparse_layer(mla, SparseRows::kPool);
     use_sparse_layer(masked, SparseRows::kPool, SparseForm::kMaskedMha);
     RunOutputs a, b;
-    for (const RunSchedule& s : {RunSchedule{mla.zeros(), prefix, 0, ForwardMode::kExtend},
-                                 RunSchedule{prefix, prompt, 0, ForwardMode::kExtend},
-                                 RunSchedule{prompt, len, 1, ForwardMode::kDecode}}) {
-      run_schedule(*mla.layer, mla.tables, mla.tokens, s, a);
-      run_schedule(*masked.layer, masked.tables, masked.tokens, s, b);
-    }
+    run_prefix_prompt_decode(mla, masked, prefix, prompt, len, a, b);
     ASSERT_EQ(b.steps.size(), 4u);
     for (size_t i = 0; i < b.steps.size(); ++i) {
       EXPECT_TRUE(has_stage(b.steps[i], "topk_to_kv_mask")) << "step " << i;
@@ -477,12 +485,7 @@ TEST_P(LayerTest, StagedRowsReadThePoolsValues) {
     use_sparse_rows(pool, cs.policy, cs.k_scale, SparseRows::kPool);
     use_sparse_rows(staged, cs.policy, cs.k_scale, SparseRows::kStaged);
     RunOutputs a, b;
-    for (const RunSchedule& s : {RunSchedule{pool.zeros(), prefix, 0, ForwardMode::kExtend},
-                                 RunSchedule{prefix, prompt, 0, ForwardMode::kExtend},
-                                 RunSchedule{prompt, len, 1, ForwardMode::kDecode}}) {
-      run_schedule(*pool.layer, pool.tables, pool.tokens, s, a);
-      run_schedule(*staged.layer, staged.tables, staged.tokens, s, b);
-    }
+    run_prefix_prompt_decode(pool, staged, prefix, prompt, len, a, b);
     ASSERT_EQ(a.steps.size(), 4u);
     for (size_t i = 0; i < a.steps.size(); ++i) {
       EXPECT_FALSE(has_stage(a.steps[i], "stage_rows")) << "step " << i;
