@@ -5,6 +5,7 @@
 
 #include "dsakit/error.h"
 #include "dsakit/formats.h"
+#include "src/core/fp8_decode.h"
 
 namespace dsakit {
 
@@ -108,18 +109,12 @@ Tensor decode_fp8_kv_b_proj(const Tensor& codes, const Tensor& scales, DType dty
   DSAKIT_CHECK_ARG(dtype == DType::kF32 || dtype == DType::kBF16,
                    "decode_fp8_kv_b_proj: expected f32 or bf16, got ", to_string(dtype));
   const int64_t rows = codes.view().shape[0], d_c = codes.view().shape[1];
-  const int64_t tiles = d_c / kFp8TileSize;
-  Tensor w = Tensor::host(dtype, {rows, d_c});
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t col = 0; col < d_c; ++col) {
-      const float scale = scales.ptr<float>()[(r / kFp8TileSize) * tiles + col / kFp8TileSize];
-      const float x = e4m3_to_f32(codes.ptr<uint8_t>()[r * d_c + col]) * scale;
-      if (dtype == DType::kF32)
-        w.ptr<float>()[r * d_c + col] = x;
-      else
-        w.ptr<bf16_t>()[r * d_c + col] = f32_to_bf16(x);
-    }
-  return w;
+  Tensor w = Tensor::host(DType::kF32, {rows, d_c});
+  decode_fp8_block_rows(codes.ptr<uint8_t>(), scales.ptr<float>(), d_c, 0, rows, w.ptr<float>());
+  if (dtype == DType::kF32) return w;
+  Tensor b = Tensor::host(DType::kBF16, {rows, d_c});
+  for (int64_t i = 0; i < rows * d_c; ++i) b.ptr<bf16_t>()[i] = f32_to_bf16(w.ptr<float>()[i]);
+  return b;
 }
 
 }  // namespace dsakit

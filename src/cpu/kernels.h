@@ -6,6 +6,7 @@
 #include <array>
 
 #include "dsakit/backend.h"
+#include "src/core/fp8_decode.h"
 
 namespace dsakit::cpu {
 
@@ -20,11 +21,6 @@ void gather_kv(const CpuContext& ctx, const PagedKvPool& pool, const TensorView&
                const TensorView& c_kv, const TensorView& k_pe);
 void store_index_keys(const CpuContext& ctx, IndexKeyPool& pool, const TensorView& locs,
                       const TensorView& idx_k);
-// e4m3 code -> fp32 value for all 256 codes (0x7F, 0xFF -> NaN), built once from e4m3_to_f32 and
-// immutable afterwards: one load per value instead of the branchy field decode (the fp8 gather's
-// and the indexer's hot loops).
-const std::array<float, 256>& e4m3_values();
-
 // indexer/indexer.cc
 void indexer_quantize_q(const CpuContext& ctx, const TensorView& idx_q, const TensorView& idx_w,
                         const TensorView& q8, const TensorView& gate);

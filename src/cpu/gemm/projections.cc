@@ -136,20 +136,11 @@ void up_proj_kv_fp8(const CpuContext& ctx, const PagedKvPool& pool, const Tensor
   const int64_t rows = locs.shape[0], d_c = pool.desc().d_c;
   const Tensor latent = Tensor::host(DType::kF32, {rows, d_c});
   gather_kv(ctx, pool, locs, latent, k_pe);
-  const int64_t w_rows = w.codes.shape[0], blocks = d_c / kFp8TileSize;
+  const int64_t w_rows = w.codes.shape[0];
   const Tensor weights = Tensor::host(DType::kF32, {w_rows, d_c});
-  const uint8_t* codes = w.codes.ptr<const uint8_t>();
-  const float* scales = w.scales.ptr<const float>();
-  float* out = weights.ptr<float>();
-  const std::array<float, 256>& value = e4m3_values();
   parallel_chunks(w_rows, ctx.threads, [&](int64_t begin, int64_t n) {
-    for (int64_t r = begin; r < begin + n; ++r)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float scale = scales[(r / kFp8TileSize) * blocks + b];
-        const uint8_t* in = codes + r * d_c + b * kFp8TileSize;
-        float* o = out + r * d_c + b * kFp8TileSize;
-        for (int c = 0; c < kFp8TileSize; ++c) o[c] = value[in[c]] * scale;
-      }
+    decode_fp8_block_rows(w.codes.ptr<const uint8_t>(), w.scales.ptr<const float>(), d_c, begin,
+                          begin + n, weights.ptr<float>());
   });
   up_proj_kv(ctx, latent, weights, k_nope, v);
 }

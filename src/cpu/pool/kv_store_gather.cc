@@ -173,13 +173,4 @@ void store_index_keys(const CpuContext& ctx, IndexKeyPool& pool, const TensorVie
   }
 }
 
-const std::array<float, 256>& e4m3_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[size_t(c)] = e4m3_to_f32(uint8_t(c));
-    return t;
-  }();
-  return table;
-}
-
 }  // namespace dsakit::cpu
