@@ -97,19 +97,29 @@ def register() -> None:
     def _(logits, k, lengths=None):
         return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
 
+    @torch.library.custom_op("dsakit::topk_to_kv_mask", mutates_args=())
+    def topk_to_kv_mask(positions: Tensor, max_kv_len: int) -> Tensor:
+        return _ops._topk_to_kv_mask(positions, max_kv_len, None, None)
+
+    @topk_to_kv_mask.register_fake
+    def _(positions, max_kv_len):
+        return positions.new_empty((positions.shape[0], max((max_kv_len + 31) // 32, 1)),
+                                   dtype=torch.int32)
+
     @torch.library.custom_op("dsakit::dense_mha_prefill", mutates_args=())
     def dense_mha_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, sm_scale: float, causal: bool = True,
                           d_rope: int = 64, cu_seqlens_q_host: Optional[Tensor] = None,
                           cu_seqlens_k_host: Optional[Tensor] = None,
-                          check_rope: bool = True) -> tuple[Tensor, Tensor]:
+                          check_rope: bool = True,
+                          kv_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         return _ops._dense_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale, causal,
                                        d_rope, cu_seqlens_q_host, cu_seqlens_k_host, check_rope,
-                                       None, None)
+                                       kv_mask, None, None)
 
     @dense_mha_prefill.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale, causal=True, d_rope=64,
-          cu_seqlens_q_host=None, cu_seqlens_k_host=None, check_rope=True):
+          cu_seqlens_q_host=None, cu_seqlens_k_host=None, check_rope=True, kv_mask=None):
         t, h = q.shape[0], q.shape[1]
         return (q.new_empty((t, h, v.shape[2])),
                 q.new_empty((t, h), dtype=torch.float32).t())

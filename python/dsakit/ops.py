@@ -7,7 +7,8 @@ comparison is a one-line import change (docs/python.md#ops):
 * fp8_mqa_logits      DeepGEMM fp8_mqa_logits (clean_logits: -inf outside [ks, ke))
 * fp8_mqa_topk        its top-k per row without the [s_q, s_kv] logits (the fused indexer)
 * topk                the indexer's top-k (ties to the lower position, NaN last, -1 padded)
-* dense_mha_prefill   FlashAttention varlen (bottom-right causal)
+* topk_to_kv_mask     top-k positions as dense_mha_prefill's kv_mask bits
+* dense_mha_prefill   FlashAttention varlen (bottom-right causal; optionally under a kv_mask)
 
 Arrays are PyTorch tensors (CPU or CUDA), NumPy arrays (CPU; bf16 as ml_dtypes.bfloat16) or any
 DLPack array; outputs come back in the framework of the first array argument. Every op runs on
@@ -24,7 +25,8 @@ from . import _arrays as A
 from . import _dsakit as _C
 
 __all__ = ["sparse_mla_prefill", "sparse_mla_decode", "quantize_kv_fp8", "dequantize_kv_fp8",
-           "fp8_mqa_logits", "fp8_mqa_topk", "topk", "dense_mha_prefill", "KV_LAYOUTS"]
+           "fp8_mqa_logits", "fp8_mqa_topk", "topk", "topk_to_kv_mask", "dense_mha_prefill",
+           "KV_LAYOUTS"]
 
 # Layout names: FlashMLA's (v32_656, raw_576) and dsakit's (fp8, fp8-raw, bf16), with row bytes.
 KV_LAYOUTS = {"v32_656": ("fp8", 656), "fp8": ("fp8", 656),
@@ -325,11 +327,33 @@ def _topk_on_stream(logits, k, lengths, out, stream):
     return out
 
 
+def topk_to_kv_mask(positions, max_kv_len, *, out=None, stream=None):
+    """Top-k positions int32 [T, k] (request positions, -1 padded: topk's or fp8_mqa_topk's) ->
+    int32 [T, ceil(max_kv_len / 32)] bits for dense_mha_prefill's kv_mask: bit p % 32 of word
+    p / 32 of row t set exactly for the positions p in row t. A position >= the mask's width is
+    refused (ValueError naming it), nothing written; a CUDA call checks on a host copy."""
+    if A.is_torch(positions) and out is None and stream is None and _compiling():
+        return _torch_op("topk_to_kv_mask")(positions, int(max_kv_len))
+    return _topk_to_kv_mask(positions, max_kv_len, out, stream)
+
+
+def _topk_to_kv_mask(positions, max_kv_len, out, stream):
+    with A.on_stream(stream, positions):
+        positions = A.plain(positions)
+        if out is None:
+            words = max((int(max_kv_len) + 31) // 32, 1)
+            out = A.empty(positions, (A.dim(A.shape(positions, "positions"), 0), words), "i32")
+        stream = A.stream_of(stream, positions)
+        positions_, out_ = A.dl(positions, A.plain(out))
+        _C.ops.topk_to_kv_mask(positions_, out_, stream)
+        return out
+
+
 # ---- FlashAttention varlen -----------------------------------------------------------------------
 
 def dense_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale=None, causal=True, *,
                       d_rope=64, cu_seqlens_q_host=None, cu_seqlens_k_host=None, check_rope=True,
-                      out=None, stream=None):
+                      kv_mask=None, out=None, stream=None):
     """FlashAttention's varlen prefill with MLA heads: q [T, H, d_qk], k [N, H, d_qk], v [N, H,
     d_v] (bf16, or f32 on the CPU), cu_seqlens_q / cu_seqlens_k int32 [B+1] -> (out [T, H, d_v],
     lse [H, T] f32 natural log, FlashAttention's softmax_lse layout: a transposed view). causal is
@@ -342,29 +366,36 @@ def dense_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale=None, causal
     their no-position and RoPE parts by row copies (the kernel takes them as separate tensors); v
     is read in place. The kernel schedules from host copies of cu_seqlens: pass
     cu_seqlens_*_host (CPU int32) to avoid a device-to-host copy, as under CUDA-graph capture.
-    causal=False needs a backend with per-query visible counts (the CPU)."""
+    causal=False needs a backend with per-query visible counts (the CPU). kv_mask (optional,
+    int32 [T, W], W * 32 >= every request's key count; topk_to_kv_mask builds it from top-k
+    positions): query t also needs bit p % 32 of word p / 32 of its row set to see key p of its
+    request — the sparse path's top-k as dense attention; a query that keeps no key gets out 0
+    and lse +inf. CUDA multiplies a masked key's v row by 0, so it must be finite."""
     if A.is_torch(q) and out is None and stream is None and _compiling():
         s = A.shape(q, "q")
         scale = float(sm_scale) if sm_scale is not None else A.dim(s, 2) ** -0.5
         return _torch_op("dense_mha_prefill")(q, k, v, cu_seqlens_q, cu_seqlens_k, scale,
                                               bool(causal), int(d_rope), cu_seqlens_q_host,
-                                              cu_seqlens_k_host, bool(check_rope))
+                                              cu_seqlens_k_host, bool(check_rope), kv_mask)
     return _dense_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale, causal, d_rope,
-                              cu_seqlens_q_host, cu_seqlens_k_host, check_rope, out, stream)
+                              cu_seqlens_q_host, cu_seqlens_k_host, check_rope, kv_mask, out,
+                              stream)
 
 
 def _dense_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale, causal, d_rope,
-                       cu_seqlens_q_host, cu_seqlens_k_host, check_rope, out, stream):
+                       cu_seqlens_q_host, cu_seqlens_k_host, check_rope, kv_mask, out, stream):
     with A.on_stream(stream, q):
         return _dense_mha_prefill_on_stream(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale, causal,
                                             d_rope, cu_seqlens_q_host, cu_seqlens_k_host,
-                                            check_rope, out, stream)
+                                            check_rope, kv_mask, out, stream)
 
 
 def _dense_mha_prefill_on_stream(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale, causal, d_rope,
-                       cu_seqlens_q_host, cu_seqlens_k_host, check_rope, out, stream):
-    q, k, v, cu_q, cu_k, cu_qh, cu_kh = map(A.plain, (q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                      cu_seqlens_q_host, cu_seqlens_k_host))
+                                 cu_seqlens_q_host, cu_seqlens_k_host, check_rope, kv_mask, out,
+                                 stream):
+    q, k, v, cu_q, cu_k, cu_qh, cu_kh, mask = map(A.plain, (q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                            cu_seqlens_q_host, cu_seqlens_k_host,
+                                                            kv_mask))
     sq, sk, sv = A.shape(q, "q"), A.shape(k, "k"), A.shape(v, "v")
     t, h, d_qk = A.dim(sq, 0), A.dim(sq, 1), A.dim(sq, 2)
     n, d_v = A.dim(sk, 0), A.dim(sv, 2)
@@ -382,7 +413,7 @@ def _dense_mha_prefill_on_stream(q, k, v, cu_seqlens_q, cu_seqlens_k, sm_scale, 
     stream = A.stream_of(stream, q)
     q_, k_, v_, cu_q_, cu_k_, cu_qh_, cu_kh_ = A.dl(q, k, v, cu_q, cu_k, cu_qh, cu_kh)
     _C.ops.dense_mha(q_, k_, v_, cu_q_, cu_k_, cu_qh_, cu_kh_, float(sm_scale), bool(causal),
-                     d_rope, bool(check_rope), *A.dl(A.plain(out), lse, *scratch, visible),
+                     d_rope, bool(check_rope), *A.dl(A.plain(out), lse, *scratch, visible, mask),
                      stream)
     if A.is_torch(lse):
         return out, lse.t()

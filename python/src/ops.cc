@@ -424,7 +424,7 @@ void topk(nb::handle logits_obj, nb::handle lengths_obj, int k, nb::handle out_o
 
 struct DenseCall {
   nb::handle q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, q_nope, q_pe, k_nope, k_pe,
-      kv_visible;
+      kv_visible, kv_mask;
 };
 
 void dense_mha(const DenseCall& h, double sm_scale, bool causal, int d_rope, bool check_rope,
@@ -438,10 +438,11 @@ void dense_mha(const DenseCall& h, double sm_scale, bool causal, int d_rope, boo
             q_pe = arg(h.q_pe, "q_pe scratch", true),
             k_nope = arg(h.k_nope, "k_nope scratch", true),
             k_pe = arg(h.k_pe, "k_pe scratch", true),
-            kv_visible = arg(h.kv_visible, "kv_visible scratch", true, true);
+            kv_visible = arg(h.kv_visible, "kv_visible scratch", true, true),
+            kv_mask = arg(h.kv_mask, "kv_mask", false, true);
   const DeviceRef dev = q.device;
-  check_same_device(
-      dev, {&k, &v, &cu_q, &cu_k, &out, &lse, &q_nope, &q_pe, &k_nope, &k_pe, &kv_visible});
+  check_same_device(dev, {&k, &v, &cu_q, &cu_k, &out, &lse, &q_nope, &q_pe, &k_nope, &k_pe,
+                          &kv_visible, &kv_mask});
   for (const Arg* a : {&cu_q_host, &cu_k_host})
     if (a->given())
       DSAKIT_CHECK_ARG(a->device.type == Device::kCpu, a->name, ": expected a cpu tensor");
@@ -517,6 +518,7 @@ void dense_mha(const DenseCall& h, double sm_scale, bool causal, int d_rope, boo
   a.sm_scale = sm_scale;
   a.o = out.view;
   a.lse = lse.view;
+  if (kv_mask.given()) a.kv_mask = kv_mask.view;  // checked by the backend (dense_mha)
   std::vector<int32_t> visible;
   if (!causal) {  // every query sees its request's whole kv range
     DSAKIT_CHECK_ARG(kv_visible.given(), "kv_visible scratch: needed when causal=False");
@@ -530,6 +532,18 @@ void dense_mha(const DenseCall& h, double sm_scale, bool causal, int d_rope, boo
     a.kv_visible_host = visible.data();
   }
   be.dense_mha(a);
+}
+
+// ---- top-k positions -> dense_mha_prefill's kv_mask
+// -----------------------------------------------
+
+void topk_to_kv_mask(nb::handle positions_h, nb::handle out_h, std::optional<uint64_t> stream) {
+  const Arg positions = arg(positions_h, "positions"), out = arg(out_h, "out", true);
+  check_same_device(positions.device, {&out});
+  BackendSlot& slot = backend_for(positions.device);
+  nb::gil_scoped_release nogil;
+  Call call(slot, stream);
+  call.be.topk_to_kv_mask(positions.view, out.view);
 }
 
 nb::object empty(const std::string& dtype, const std::vector<int64_t>& shape,
@@ -572,16 +586,19 @@ void bind_ops(nb::module_& m) {
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle cu_q, nb::handle cu_k,
          nb::handle cu_q_host, nb::handle cu_k_host, double sm_scale, bool causal, int d_rope,
          bool check_rope, nb::handle out, nb::handle lse, nb::handle q_nope, nb::handle q_pe,
-         nb::handle k_nope, nb::handle k_pe, nb::handle kv_visible,
+         nb::handle k_nope, nb::handle k_pe, nb::handle kv_visible, nb::handle kv_mask,
          std::optional<uint64_t> stream) {
         dense_mha({q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, q_nope, q_pe, k_nope, k_pe,
-                   kv_visible},
+                   kv_visible, kv_mask},
                   sm_scale, causal, d_rope, check_rope, stream);
       },
       "q"_a.none(), "k"_a.none(), "v"_a.none(), "cu_q"_a.none(), "cu_k"_a.none(),
       "cu_q_host"_a.none(), "cu_k_host"_a.none(), "sm_scale"_a, "causal"_a, "d_rope"_a,
       "check_rope"_a, "out"_a.none(), "lse"_a.none(), "q_nope"_a.none(), "q_pe"_a.none(),
-      "k_nope"_a.none(), "k_pe"_a.none(), "kv_visible"_a.none(), "stream"_a.none());
+      "k_nope"_a.none(), "k_pe"_a.none(), "kv_visible"_a.none(), "kv_mask"_a.none(),
+      "stream"_a.none());
+  ops.def("topk_to_kv_mask", &topk_to_kv_mask, "positions"_a.none(), "out"_a.none(),
+          "stream"_a.none());
   m.def("empty", &empty, "dtype"_a, "shape"_a, "device"_a,
         "An uninitialized dsakit-allocated tensor (DLPack-capable), for callers without a "
         "framework of their own.");

@@ -179,8 +179,10 @@ def topk(logits, k, lengths):
     return out
 
 
-def dense_mha(q, k, v, cu_q, cu_k, sm_scale, causal=True):
-    """FlashAttention varlen in float64, bottom-right causal: o [T, H, d_v], lse [T, H]."""
+def dense_mha(q, k, v, cu_q, cu_k, sm_scale, causal=True, kv_mask=None):
+    """FlashAttention varlen in float64, bottom-right causal: o [T, H, d_v], lse [T, H]. kv_mask
+    (int32 [T, W] bits): query t sees key p only where bit p % 32 of word p / 32 is set (a query
+    that keeps none: o 0, lse +inf)."""
     q, k, v = f64(q), f64(k), f64(v)
     t_, h, _ = q.shape
     o = np.zeros((t_, h, v.shape[2]))
@@ -193,6 +195,12 @@ def dense_mha(q, k, v, cu_q, cu_k, sm_scale, causal=True):
             if vis <= 0:
                 continue
             s = sm_scale * np.einsum("hd,nhd->hn", q[q0 + i], k[k0:k0 + vis])
+            if kv_mask is not None:
+                words = kv_mask[q0 + i].view(np.uint32)
+                kept = (words[np.arange(vis) // 32] >> (np.arange(vis) % 32).astype(np.uint32)) & 1
+                if not kept.any():
+                    continue
+                s[:, kept == 0] = -np.inf
             m = s.max(axis=1, keepdims=True)
             p = np.exp(s - m)
             z = p.sum(axis=1, keepdims=True)

@@ -150,6 +150,18 @@ def test_dense_mha_prefill(rng):
     assert ref.max_abs_diff(tn(lse).T, lse_ref) <= 5e-3  # bf16 intermediates (numerics.md)
     with pytest.raises(NotImplementedError, match="causal=False"):
         dsakit.ops.dense_mha_prefill(tt(q), tt(k), tt(v), tt(cu_q), tt(cu_k), scale, causal=False)
+    # Under a top-64 mask built on the GPU (the wgmma kernel's masked instance), also compiled.
+    lengths = np.concatenate([np.arange(1, 41), np.arange(294, 301)]).astype(np.int32)
+    positions = dsakit.ops.topk(tt(rng.standard_normal((47, 300)).astype(np.float32)), 64,
+                                tt(lengths))
+    mask = dsakit.ops.topk_to_kv_mask(positions, 300)
+    o_ref, lse_ref = ref.dense_mha(q, k, v, cu_q, cu_k, scale, kv_mask=tn(mask))
+    for op in (dsakit.ops.dense_mha_prefill, torch.compile(dsakit.ops.dense_mha_prefill)):
+        out, lse = op(tt(q), tt(k), tt(v), tt(cu_q), tt(cu_k), scale, kv_mask=mask,
+                      cu_seqlens_q_host=torch.from_numpy(cu_q),
+                      cu_seqlens_k_host=torch.from_numpy(cu_k))
+        assert ref.rel_l2(tn(out), o_ref) <= ref.TOL_BF16
+        assert ref.max_abs_diff(tn(lse).T, lse_ref) <= 5e-3
 
 
 # ---- zero-copy, streams ---------------------------------------------------------------------------

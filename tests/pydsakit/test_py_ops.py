@@ -336,6 +336,45 @@ def test_dense_mha_prefill_against_reference(rng, dtype, tol):
         assert ref.max_abs_diff(lse.T, lse_ref) <= ref.TOL_LSE
 
 
+def test_dense_mha_prefill_under_a_topk_mask(rng):
+    """kv_mask: the top-k of random scores per query (fewer keys than it sees) built by
+    topk_to_kv_mask is dense attention over those keys alone (float64 reference with the mask),
+    a query keeping nothing gets out 0 / lse +inf, and a position past the mask's width is
+    refused by name before anything is written."""
+    h, d_nope, d_rope, d_v, k = 4, 128, 64, 128, 6
+    q_lens, k_lens = [9, 20], [9, 70]            # a fresh prompt and an extend over a prefix
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    t = int(cu_q[-1])
+    q = rng.standard_normal((t, h, d_nope + d_rope)).astype(F32)
+    kk, v = _mla_kv(rng, int(cu_k[-1]), h, d_nope, d_rope, d_v, F32)
+    lengths = np.concatenate([np.arange(1, 10), np.arange(51, 71)]).astype(np.int32)
+    positions = dsakit.ops.topk(rng.standard_normal((t, 70)).astype(F32), k, lengths)
+    positions[3] = -1                            # query 3 keeps nothing
+    mask = dsakit.ops.topk_to_kv_mask(positions, 70)
+    assert mask.dtype == np.int32 and mask.shape == (t, 3)
+    bits = mask.view(np.uint32)
+    for i in range(t):
+        kept = {p for p in range(96) if (bits[i, p // 32] >> (p % 32)) & 1}
+        assert kept == {int(p) for p in positions[i] if p >= 0}, i
+    scale = (d_nope + d_rope) ** -0.5
+    out, lse = dsakit.ops.dense_mha_prefill(q, kk, v, cu_q, cu_k, scale, kv_mask=mask)
+    o_ref, lse_ref = ref.dense_mha(q, kk, v, cu_q, cu_k, scale, kv_mask=mask)
+    assert ref.rel_l2(out, o_ref) <= ref.TOL_F32
+    assert ref.max_abs_diff(lse.T, lse_ref) <= ref.TOL_LSE
+    assert (out[3] == 0).all() and np.isinf(lse.T[3]).all()
+    full, _ = dsakit.ops.dense_mha_prefill(q, kk, v, cu_q, cu_k, scale)
+    assert ref.rel_l2(out, full) > 1e-2          # the mask changed the attention
+    far = positions.copy()
+    far[5, 2] = 96
+    kept = np.full((t, 3), 7, np.int32)
+    with pytest.raises(ValueError, match=re.escape("positions[5, 2]")):
+        dsakit.ops.topk_to_kv_mask(far, 70, out=kept)
+    assert (kept == 7).all()
+    with pytest.raises(ValueError, match="kv_mask"):
+        dsakit.ops.dense_mha_prefill(q, kk, v, cu_q, cu_k, scale, kv_mask=mask[:, :2])
+
+
 def test_dense_mha_prefill_refuses_per_head_rope(rng):
     h = 2
     q = rng.standard_normal((3, h, 192)).astype(F32)

@@ -22,8 +22,13 @@ def prefill():
 
 def test_ops_are_registered_with_torch_library():
     for name in ("sparse_mla_prefill", "sparse_mla_decode", "quantize_kv_fp8",
-                 "dequantize_kv_fp8", "fp8_mqa_logits", "topk", "dense_mha_prefill"):
+                 "dequantize_kv_fp8", "fp8_mqa_logits", "fp8_mqa_topk", "topk", "topk_to_kv_mask",
+                 "dense_mha_prefill"):
         assert hasattr(torch.ops.dsakit, name), name
+    # topk_to_kv_mask's fake: one i32 word per 32 positions.
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        positions = torch.empty(5, 8, dtype=torch.int32)
+        assert torch.ops.dsakit.topk_to_kv_mask(positions, 70).shape == (5, 3)
 
 
 def test_sparse_prefill_with_torch_tensors_zero_copy(prefill):
