@@ -4,7 +4,8 @@
 #   2. the whole GoogleTest suite against the cuda backend (DSAKIT_TEST_BACKENDS, default cuda),
 #   3. compute-sanitizer memcheck / racecheck / initcheck on the CUDA test binaries,
 #   4. `dsakit run --device cuda --verify` over both presets x three layouts x
-#      {fresh, chunked, prefix-hit, decode}, and with --fp8-weights on both FP8 layouts,
+#      {fresh, chunked, prefix-hit, decode}, with --fp8-weights on both FP8 layouts, and with
+#      --sparse-form masked-mha on both presets,
 #   5. the CUDA benchmark and the PyTorch SDPA peer,
 # then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files are read
 # from tests/data/peers (in the tree; DSAKIT_PEERS_DIR overrides).
@@ -148,6 +149,17 @@ if [ "${result[build]}" = PASS ] && want verify; then
     if timeout 120 build-dev/bin/dsakit run --device cuda --kv $kv --prompts 1900,700 \
          --prefix 1500,0 --fp8-weights --verify --verify-tokens 24 >>"$out/verify.log" 2>&1; then
       result[$key]=PASS
+    else result[$key]=FAIL; fi
+  done
+  # The sparse path's masked-MHA form (docs/layer.md#masked-mha): both presets past their top-k,
+  # chunked over a prefix, then decode; the FP8 pool with its FP8 weights.
+  for model in "deepseek-v3.2 8" "glm-5 4"; do
+    set -- $model
+    key="verify:$1:masked-mha:fp8"
+    if timeout 120 build-dev/bin/dsakit run --device cuda --model "$1" --tp "$2" --kv fp8 \
+         --prompts 3000,2500 --prefix 800,0 --chunk 1200 --decode-steps 2 --dispatch sparse \
+         --sparse-form masked-mha --fp8-weights --verify --verify-tokens 24 >>"$out/verify.log" 2>&1
+    then result[$key]=PASS
     else result[$key]=FAIL; fi
   done
 fi
