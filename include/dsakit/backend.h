@@ -324,6 +324,22 @@ class Backend {
   virtual void topk_to_kv_mask(const TensorView& positions, const TensorView& mask);
 };
 
+// Backend::set_index_value_checks(false) for the scope's lifetime, then the previous setting
+// back: around ops fed with indices the caller built itself from validated input (the kernels
+// still bound-check every index they read).
+class IndexValueChecksOff {
+ public:
+  explicit IndexValueChecksOff(Backend& be)
+      : be_(be), previous_(be.set_index_value_checks(false)) {}
+  ~IndexValueChecksOff() { be_.set_index_value_checks(previous_); }
+  IndexValueChecksOff(const IndexValueChecksOff&) = delete;
+  IndexValueChecksOff& operator=(const IndexValueChecksOff&) = delete;
+
+ private:
+  Backend& be_;
+  bool previous_;
+};
+
 // What the CUDA backend offers on a device of compute capability `sm_arch` (90 = sm_90): the
 // planner's view, shared by CudaBackend and `dsakit plan --device cuda`, so a described device and
 // a real one plan alike. device_name is "cuda sm_<arch>" (CudaBackend replaces it).

@@ -90,14 +90,6 @@ std::vector<int32_t> host_i32(Backend& be, const TensorView& t, const char* name
   return out;
 }
 
-// Turns the backend's host-side index checks off for index tensors the binding made itself.
-struct NoValueChecks {
-  Backend& be;
-  bool previous;
-  explicit NoValueChecks(Backend& b) : be(b), previous(b.set_index_value_checks(false)) {}
-  ~NoValueChecks() { be.set_index_value_checks(previous); }
-};
-
 // ---- FlashMLA: sparse attention over a bf16 kv [s_kv, 1, 576] or a paged kcache -----------------
 
 // q_abs / q_pe: the [.., :512] and [.., 512:] column views of q [T, H, 576].
@@ -248,7 +240,7 @@ void quantize_kv(nb::handle kv_obj, nb::handle packed_obj, const std::string& la
   BackendSlot& slot = backend_for(dev);
   nb::gil_scoped_release nogil;
   Call call(slot, stream);
-  NoValueChecks unchecked(call.be);  // locs is 0 … n-1, made by the Python side
+  const IndexValueChecksOff unchecked(call.be);  // locs is 0 … n-1, made by the Python side
   // Straight from the two column ranges of kv (store_kv takes row-strided inputs).
   call.be.store_kv(pool, locs.view, columns(rows, 0, kDc), columns(rows, kDc, kDqk));
 }
@@ -276,7 +268,7 @@ void dequantize_kv(nb::handle packed_obj, nb::handle out_obj, const std::string&
   BackendSlot& slot = backend_for(dev);
   nb::gil_scoped_release nogil;
   Call call(slot, stream);
-  NoValueChecks unchecked(call.be);  // locs is 0 … n-1, made by the Python side
+  const IndexValueChecksOff unchecked(call.be);  // locs is 0 … n-1, made by the Python side
   // Straight into the two column ranges of out (gather_kv takes row-strided outputs).
   call.be.gather_kv(pool, locs.view, columns(orow, 0, kDc), columns(orow, kDc, kDqk));
 }
@@ -404,7 +396,8 @@ void mqa_topk(nb::handle q_obj, nb::handle kv_obj, nb::handle scales_obj, nb::ha
   x.args.kv_start = kv_start.view();
   x.args.ctx_len = ctx_len.view();
   x.copy_keys(call.be);
-  NoValueChecks unchecked(call.be);  // the ranges were checked above, kv_locs is 0 … s_kv-1
+  const IndexValueChecksOff unchecked(
+      call.be);  // the ranges were checked above, kv_locs is 0 … s_kv-1
   call.be.indexer_topk(x.args, k, out.view);
 }
 

@@ -42,11 +42,7 @@ void indexer_topk_blocks(Backend& be, const IndexerArgs& layout, const IndexerBl
   if (tokens == 0) return;
 
   // Every index below was validated by the caller: the block ops skip their own value checks.
-  struct RestoreChecks {
-    Backend& be;
-    bool previous;
-    ~RestoreChecks() { be.set_index_value_checks(previous); }
-  } restore{be, be.set_index_value_checks(false)};
+  const IndexValueChecksOff checks_off(be);
 
   // ctx_len <= N_kv for every row, so when the whole kv range fits in k every row is the
   // identity: top-k alone, no query quantization and no logits.

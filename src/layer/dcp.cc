@@ -22,19 +22,6 @@
 
 namespace dsakit {
 
-namespace {
-
-// The index value checks off while the rank feeds the backend indices it built itself from a
-// validated batch (the kernels still bound-check every index they read).
-struct IndexChecksOff {
-  explicit IndexChecksOff(Backend& be) : be(be), previous(be.set_index_value_checks(false)) {}
-  ~IndexChecksOff() { be.set_index_value_checks(previous); }
-  Backend& be;
-  bool previous;
-};
-
-}  // namespace
-
 DcpRank::DcpRank(ModelConfig config, Backend& backend, DcpComm& comm, const KvPoolDesc& pool,
                  const std::vector<int32_t>& max_lengths, TensorView kv_b_proj,
                  LayerOptions options)
@@ -176,7 +163,8 @@ LayerResult DcpRank::forward(const Batch& batch, const LayerInputs& in,
     cand_len[size_t(i)] =
         gi.token_ctx_len[size_t(i)] <= k ? 0 : std::min<int32_t>(visible[size_t(i)], k);
   }
-  IndexChecksOff checks_off(be);
+  // The rank feeds the backend indices it built itself from a validated batch.
+  const IndexValueChecksOff checks_off(be);
   const detail::PackedI32 idx = detail::upload_i32(
       be, {&store_rows, &store_locs, &kv_locs, &row_pos, &cu_kv, &visible, &kv_start, &gi.cu_q,
            &global_locs, &gi.token_kv_start, &gi.token_ctx_len, &cand_start, &cand_len});

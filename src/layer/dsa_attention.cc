@@ -334,11 +334,7 @@ LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInpu
 
   // Every index array below was built from the validated batch (or by our own kernels): the
   // backend's host-side value checks would only repeat that validation with a sync per op.
-  struct RestoreChecks {
-    Backend& be;
-    bool previous;
-    ~RestoreChecks() { be.set_index_value_checks(previous); }
-  } restore{be, be.set_index_value_checks(false)};
+  const IndexValueChecksOff checks_off(be);
 
   // ---- store the new tokens ---------------------------------------------------------------
   const auto store = [&] {
