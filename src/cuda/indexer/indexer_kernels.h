@@ -1,7 +1,7 @@
 // Launchers of the lightning-indexer kernels (docs/design.md#lightning-indexer, #top-k): query
 // quantization, logits over the index-key pool, per-row top-k, top-k positions -> pool
-// locations, and top-k positions -> dense_mha's kv_mask bits. Plain parameter structs; every index read from device memory is bound-checked in
-// the kernels.
+// locations, and top-k positions -> dense_mha's kv_mask bits. Plain parameter structs; every index
+// read from device memory is bound-checked in the kernels.
 #pragma once
 
 #include <cuda_runtime.h>
