@@ -319,22 +319,23 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
 
   // kMasked: the bits of one block, chunk c of row r covering positions n0 + 32 c + [0, 32),
   // shifted right by 2 q: column 4 j + e of s (position n0 + 8 j + 2 q + (e & 1)) is kept iff
-  // bit 8 (j % 4) + (e & 1) of mask_bits[e >> 1][j / 4] is set. A row past the tile's rows reads
-  // no word (all masked; never written).
+  // bit 8 (j % 4) + (e & 1) of mask_bits[e >> 1][j / 4] is set. The loads need no branch: a row
+  // past the tile's rows reads the tile's last row (its results are never stored), and a word
+  // past the row's end reads the row's last word (kv_mask_words · 32 >= every kv length, so
+  // those positions lie past each row's causal limit and the causal mask removes them).
   constexpr int kMaskChunks = (kN + 31) / 32;
   uint32_t mask_bits[2][kMaskChunks];
   const uint32_t* mask_row[2] = {nullptr, nullptr};
   if constexpr (kMasked)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      if (row0 + 8 * r < tile.q_len)
-        mask_row[r] = p.kv_mask + (int64_t(tile.q_begin) + row0 + 8 * r) * p.kv_mask_words;
+      mask_row[r] =
+          p.kv_mask +
+          (int64_t(tile.q_begin) + max(0, min(row0 + 8 * r, tile.q_len - 1))) * p.kv_mask_words;
   const auto load_mask = [&](int b) {
     if constexpr (kMasked) {
-      const int n0 = b * kN, w0 = n0 / 32;
-      const auto word = [&](int r, int w) {
-        return mask_row[r] != nullptr && w < p.kv_mask_words ? __ldg(mask_row[r] + w) : 0u;
-      };
+      const int n0 = b * kN, w0 = n0 / 32, last_word = p.kv_mask_words - 1;
+      const auto word = [&](int r, int w) { return __ldg(mask_row[r] + min(w, last_word)); };
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -387,16 +388,30 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
   const auto softmax = [&](int b, float(&alpha)[2]) {
     const int n0 = b * kN;
     const bool needs_mask = n0 + kN - 1 > tile.first_query_pos + row_base;
+    // kMasked: the causal limit is folded into the bits first (bit i of chunk c of row r is
+    // position n0 + 32 c + 2 q + i, kept iff <= limit[r]), so a score takes one bit test.
+    if constexpr (kMasked) {
+      if (needs_mask) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int c = 0; c < kMaskChunks; ++c) {
+            const int d = limit[r] - (n0 + 32 * c + 2 * q);  // the last bit kept
+            mask_bits[r][c] &= d >= 31 ? ~0u : d < 0 ? 0u : (2u << d) - 1u;
+          }
+      }
+    }
     float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int pos = n0 + 8 * j + 2 * q + (e & 1);
         float& x = s[4 * j + e];
-        if (needs_mask && pos > limit[e >> 1]) x = -INFINITY;
-        if constexpr (kMasked)
+        if constexpr (kMasked) {
           if (((mask_bits[e >> 1][j / 4] >> (8 * (j % 4) + (e & 1))) & 1u) == 0) x = -INFINITY;
+        } else if (needs_mask && n0 + 8 * j + 2 * q + (e & 1) > limit[e >> 1]) {
+          x = -INFINITY;
+        }
         block_max[e >> 1] = fmaxf(block_max[e >> 1], x);
       }
 #pragma unroll
