@@ -251,12 +251,14 @@ CostProfile profile_to_extend(const std::string& out) {
 // Each path's fitted terms and its largest relative error over the calibration shapes.
 void print_fit(const std::string& group, const CostEntry& entry) {
   fmt::print("{}: {} samples\n", group, entry.samples.size());
-  for (const auto* t : {&entry.dense, &entry.sparse}) {
+  for (const auto& [name, t] :
+       {std::pair{"dense", &entry.dense}, std::pair{"sparse", &entry.sparse},
+        std::pair{"masked", &entry.masked}}) {
+    if (t->names.empty()) continue;  // masked: not calibrated
     std::string terms;
     for (size_t i = 0; i < t->names.size(); ++i)
       if (t->coef_ms[i] > 0) terms += fmt::format(" {:.3g}*{}", t->coef_ms[i], t->names[i]);
-    fmt::print("  {:<7} ms ={}   (max rel. error {:.1f}%)\n",
-               t == &entry.dense ? "dense" : "sparse", terms, 100 * t->max_rel_error);
+    fmt::print("  {:<7} ms ={}   (max rel. error {:.1f}%)\n", name, terms, 100 * t->max_rel_error);
   }
 }
 
@@ -277,18 +279,28 @@ int calibrate_command(const CalibrateOptions& o) {
   ProgressLine progress;
   progress.enabled = !o.quiet;
   size_t total = 0, done = 0;
+  // Fresh prompts beyond index_topk on GPUs only (a CPU takes seconds per call there).
+  const bool long_prompts = caps.device == Device::kCuda;
   for (const auto& cfg : models)
-    total += calibration_shapes(cfg.index_topk).size() * layouts.size();
+    total += calibration_shapes(cfg.index_topk, long_prompts).size() * layouts.size();
   for (const ModelConfig& cfg : models) {
     DSAKIT_CHECK(mode_allowed(DispatchMode::kDense, {"fresh", {0}, {1}}, cfg, caps), kUnsupported,
                  "calibrate: ", caps.device_name, " has no dense MHA kernel for ", cfg.name,
                  " (d_nope/d_rope/d_v = ", cfg.qk_nope_head_dim, "/", cfg.qk_rope_head_dim, "/",
                  cfg.v_head_dim, "): cost mode has nothing to choose there");
+    // The sparse path is timed in both forms where the backend has the masked kernel: layers
+    // whose option is fixed to each (the masked ones time the sparse mode only).
+    const bool masked = masked_mha_available(caps, cfg);
     for (KvLayout layout : layouts) {
-      LayerBench lb(*be, cfg, layout, o.seed);
-      const std::string group = lb.group();
+      LayerBench lb(*be, cfg, layout, o.seed, {.sparse_form = SparseForm::kMla});
+      std::unique_ptr<LayerBench> lbm;
+      if (masked)
+        lbm = std::make_unique<LayerBench>(
+            *be, cfg, layout, o.seed, LayerBenchOptions{.sparse_form = SparseForm::kMaskedMha});
+      const std::string group =
+          fmt::format("{} H={} {}", cfg.name, cfg.num_heads, to_string(layout));
       std::vector<CostSample> samples;
-      for (const BenchShape& shape : calibration_shapes(cfg.index_topk)) {
+      for (const BenchShape& shape : calibration_shapes(cfg.index_topk, long_prompts)) {
         if (g_stop.load()) break;
         progress(done++, total, "calibrate " + group + " | " + shape.label());
         const ModeTimings t = time_modes(lb, shape, {DispatchMode::kDense, DispatchMode::kSparse},
@@ -296,6 +308,16 @@ int calibrate_command(const CalibrateOptions& o) {
         if (g_stop.load()) break;
         for (const PolicyTiming& pt : t.timings)
           samples.push_back({pt.plan.path, CostFeatures::of(lb.batch(), cfg), pt.ms, pt.stages});
+        if (!lbm) continue;
+        const ModeTimings tm = time_modes(*lbm, shape, {DispatchMode::kSparse}, DispatchPolicy{},
+                                          caps, o.runs, 3, o.budget_ms, false);
+        if (g_stop.load()) break;
+        for (const PolicyTiming& pt : tm.timings)
+          samples.push_back({pt.plan.path,
+                             CostFeatures::of(lbm->batch(), cfg),
+                             pt.ms,
+                             {},
+                             SparseForm::kMaskedMha});
       }
       if (g_stop.load()) break;
       CostEntry entry = fit_cost_entry(CostKey::of(caps.device_name, cfg, layout), samples);

@@ -23,7 +23,7 @@ struct BenchOptions {
   bool stages = true;
   bool fp8_weights = false;          // kv_b_proj also in FP8 form (fp8 / fp8-raw pools' dense path)
   std::string sparse_rows = "auto";  // LayerOptions::sparse_rows: auto | pool | staged
-  std::string sparse_form = "mla";   // LayerOptions::sparse_form: mla | masked-mha
+  std::string sparse_form = "auto";  // LayerOptions::sparse_form: auto | mla | masked-mha
   std::string json, plot, plot_format = "png";
   uint64_t seed = 1;
   bool quiet = false;

@@ -64,7 +64,7 @@ std::vector<BenchShape> bench_shapes(const BenchOptions& o, Device device) {
 // Contexts within index_topk (both paths exact: where the choice is made), a few beyond it for
 // the sparse terms, and mixed batches for the per-request terms (with and without long cached
 // prefixes).
-std::vector<BenchShape> calibration_shapes(int index_topk) {
+std::vector<BenchShape> calibration_shapes(int index_topk, bool long_prompts) {
   const int32_t k = index_topk;
   std::vector<BenchShape> s;
   for (int32_t t : {64, 128, 256, 512, 1024, 1536, 2048})
@@ -87,6 +87,10 @@ std::vector<BenchShape> calibration_shapes(int index_topk) {
   s.push_back({"prefix", {k}, {512}});
   s.push_back({"prefix", {2 * k}, {64}});
   s.push_back({"prefix", {4 * k}, {16}});
+  if (long_prompts) {
+    s.push_back({"fresh", {0}, {2 * k}});
+    s.push_back({"fresh", {0}, {4 * k}});
+  }
   return s;
 }
 

@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "dsakit/backend.h"
@@ -34,6 +35,7 @@ struct PlanOptions {
   int64_t threshold = -1;
   bool allow_approx = false;
   int64_t chunk_capacity = 131072;
+  std::string sparse_form = "auto";
   bool json = false;
 };
 
@@ -76,12 +78,22 @@ int plan_command(const PlanOptions& o) {
   policy.chunk_capacity = o.chunk_capacity;
   if (!o.profile.empty()) policy = policy.with_profile(o.profile);
   if (!o.device_name.empty()) caps.device_name = o.device_name;
-  const Plan plan = plan_batch(batch, cfg, parse_kv_layout(o.kv), caps, policy.with_env());
+  // The form as a layer would take it: DSAKIT_SPARSE_FORM overrides the flag.
+  SparseForm form = parse_sparse_form(o.sparse_form);
+  if (const char* v = std::getenv("DSAKIT_SPARSE_FORM"); v && *v) {
+    try {
+      form = parse_sparse_form(v);
+    } catch (const Error& e) {
+      DSAKIT_FAIL(kInvalidArgument, "DSAKIT_SPARSE_FORM: ", e.what());
+    }
+  }
+  const Plan plan = plan_batch(batch, cfg, parse_kv_layout(o.kv), caps, policy.with_env(), form);
   if (o.json) {
     nlohmann::json j = {{"path", to_string(plan.path)},
                         {"mode", to_string(plan.mode)},
                         {"rule", plan.rule},
                         {"approximate", plan.approximate},
+                        {"sparse_form", to_string(plan.sparse_form)},
                         {"reason", plan.reason}};
     for (const auto& s : plan.segments)
       j["segments"].push_back({{"first_request", s.first_request},
@@ -90,6 +102,7 @@ int plan_command(const PlanOptions& o) {
     if (plan.predicted_ms >= 0)
       j["predicted_ms"] = {{"dense", plan.predicted_dense_ms},
                            {"sparse", plan.predicted_sparse_ms},
+                           {"masked", plan.predicted_masked_ms},
                            {"plan", plan.predicted_ms}};
     fmt::print("{}\n", j.dump(2));
   } else {
@@ -219,9 +232,10 @@ int run_cli(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--sparse-form", ro.sparse_form,
                   "How the sparse path attends to the top-k: mla (absorbed MLA over the selected "
-                  "rows) or masked-mha (the top-k as a mask over dense MHA of every context row: "
-                  "the same function, causal work at dense MHA's cheaper per-pair cost; "
-                  "docs/layer.md#masked-mha); DSAKIT_SPARSE_FORM overrides it")
+                  "rows), masked-mha (the top-k as a mask over dense MHA of every context row: "
+                  "the same function, causal work at dense MHA's cheaper per-pair cost), or auto "
+                  "(--dispatch cost picks the cheaper per batch where its profile prices both; "
+                  "mla otherwise); docs/layer.md#masked-mha; DSAKIT_SPARSE_FORM overrides it")
       ->capture_default_str();
 
   PlanOptions po;
@@ -252,6 +266,10 @@ int run_cli(int argc, char** argv) {
   plan->add_option("--threshold", po.threshold, "Dense threshold (default: index_topk)");
   plan->add_flag("--allow-approx", po.allow_approx, "Allow a threshold above index_topk");
   plan->add_option("--chunk-capacity", po.chunk_capacity, "Max total tokens for dense")
+      ->capture_default_str();
+  plan->add_option("--sparse-form", po.sparse_form,
+                   "The layer's sparse form option: auto (cost mode with a profile that prices "
+                   "both forms picks), mla or masked-mha; DSAKIT_SPARSE_FORM overrides it")
       ->capture_default_str();
   plan->add_flag("--json", po.json, "Print JSON");
 
@@ -314,8 +332,9 @@ int run_cli(int argc, char** argv) {
       ->capture_default_str();
   bench
       ->add_option("--sparse-form", bo.sparse_form,
-                   "The sparse path's attention, as for dsakit run: mla or masked-mha (groups "
-                   "marked masked-mha); DSAKIT_SPARSE_FORM overrides it")
+                   "The sparse path's attention, as for dsakit run: auto, mla or masked-mha "
+                   "(groups marked mla / masked-mha where not auto; each mode's row says the "
+                   "form its plan took); DSAKIT_SPARSE_FORM overrides it")
       ->capture_default_str();
   bench->add_option("--seed", bo.seed, "Seed of the random inputs")->capture_default_str();
   bench->add_flag("--quiet", bo.quiet, "No progress line");

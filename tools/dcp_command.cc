@@ -195,7 +195,7 @@ int bench_dcp_command(const BenchOptions& bo) {
   DSAKIT_CHECK_ARG(!bo.fp8_weights,
                    "--fp8-weights: not offered with --dcp (its ranks draw bf16 "
                    "weights)");
-  DSAKIT_CHECK_ARG(bo.sparse_form == "mla",
+  DSAKIT_CHECK_ARG(bo.sparse_form == "mla" || bo.sparse_form == "auto",
                    "--sparse-form: with --dcp the ranks run mla (their top-k merge combines MLA "
                    "partials), got '",
                    bo.sparse_form, "'");

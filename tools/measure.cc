@@ -101,8 +101,8 @@ std::string LayerBench::group() const {
       fp8_weights() ? " w8" : "",
       layout_ == KvLayout::kBf16 || rows == SparseRows::kAuto ? std::string()
                                                               : std::string(" ") + to_string(rows),
-      sparse_form() == SparseForm::kMla ? std::string()
-                                        : std::string(" ") + to_string(sparse_form()));
+      sparse_form() == SparseForm::kAuto ? std::string()
+                                         : std::string(" ") + to_string(sparse_form()));
 }
 
 const Batch& LayerBench::batch() const {

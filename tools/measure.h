@@ -53,7 +53,7 @@ struct LayerBenchOptions {
   // random block-scaled weights); only fp8 / fp8-raw pools use it.
   bool fp8_weights = false;
   SparseRows sparse_rows = SparseRows::kAuto;  // LayerOptions::sparse_rows
-  SparseForm sparse_form = SparseForm::kMla;   // LayerOptions::sparse_form
+  SparseForm sparse_form = SparseForm::kAuto;  // LayerOptions::sparse_form
 };
 
 class LayerBench {
@@ -71,8 +71,8 @@ class LayerBench {
   SparseRows sparse_rows() const;
   SparseForm sparse_form() const;
   // The rows' group: "deepseek-v3.2 H=16 fp8", then " w8" where the layers read FP8 weights,
-  // " pool" / " staged" where an fp8 pool's sparse_rows is not auto, and " masked-mha" where the
-  // sparse path is the masked dense form.
+  // " pool" / " staged" where an fp8 pool's sparse_rows is not auto, and " mla" / " masked-mha"
+  // where the sparse form is fixed (not auto).
   std::string group() const;
 
   // Allocates pools and random inputs for `shape` (up to 3 rotated sets while one set stays

@@ -200,7 +200,7 @@ void check_run_options(const RunOptions& opt) {
                    opt.verify_tol);
   DSAKIT_CHECK_ARG(!opt.fp8_weights || opt.dcp == 0,
                    "--fp8-weights: not offered with --dcp (its ranks draw bf16 weights)");
-  DSAKIT_CHECK_ARG(opt.sparse_form == "mla" || opt.dcp == 0,
+  DSAKIT_CHECK_ARG(opt.sparse_form == "mla" || opt.sparse_form == "auto" || opt.dcp == 0,
                    "--sparse-form: with --dcp the ranks run mla (their top-k merge combines MLA "
                    "partials), got '",
                    opt.sparse_form, "'");

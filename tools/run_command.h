@@ -37,7 +37,7 @@ struct RunOptions {
   bool quiet = false;
   int64_t max_workspace_mb = 0;      // LayerOptions::max_workspace_bytes in MiB; 0: no limit
   std::string sparse_rows = "auto";  // LayerOptions::sparse_rows: auto | pool | staged
-  std::string sparse_form = "mla";   // LayerOptions::sparse_form: mla | masked-mha
+  std::string sparse_form = "auto";  // LayerOptions::sparse_form: auto | mla | masked-mha
   int dcp = 0;  // > 0: context parallelism over this many GPUs (tools/dcp_command)
 };
 

@@ -24,15 +24,18 @@ struct Sample {
 Sample sample_tokens(const RunOptions& opt, const RunState& run) {
   const TokenStore& tokens = run.tokens;
   const RunOutputs& out = run.out;
-  // Path per row, from the step that computed it.
-  std::vector<int8_t> dense_row(size_t(tokens.rows()), -1);
-  const bool masked = run.layer->options().sparse_form == SparseForm::kMaskedMha;
+  // Path per row, from the step that computed it, and whether its sparse path ran the masked
+  // dense form (dense arithmetic over the top-k).
+  std::vector<int8_t> dense_row(size_t(tokens.rows()), -1), masked_row(size_t(tokens.rows()), 0);
   for (size_t i = run.prefix_steps; i < out.steps.size(); ++i) {
     const StepRecord& st = out.steps[i];
+    const bool masked = st.plan.sparse_form == SparseForm::kMaskedMha;
     size_t j = 0;
     for (int r = 0; r < st.batch.num_requests(); ++r)
-      for (int32_t e = 0; e < st.batch.extend_lens[size_t(r)]; ++e)
-        dense_row[size_t(st.rows[j++])] = st.plan.path_of(r) == AttentionPath::kDenseMha;
+      for (int32_t e = 0; e < st.batch.extend_lens[size_t(r)]; ++e) {
+        dense_row[size_t(st.rows[j])] = st.plan.path_of(r) == AttentionPath::kDenseMha;
+        masked_row[size_t(st.rows[j++])] = masked;
+      }
   }
   std::mt19937_64 gen(opt.seed + 3);
   Sample s;
@@ -51,7 +54,7 @@ Sample sample_tokens(const RunOptions& opt, const RunState& run) {
     for (int32_t p : pick) {
       const int64_t row = tokens.offset(int(r)) + p;
       const bool dense = dense_row[size_t(row)] == 1;
-      s.queries.push_back({int(r), p, dense, dense || masked});
+      s.queries.push_back({int(r), p, dense, dense || masked_row[size_t(row)] == 1});
       s.rows.push_back(row);
     }
   }

@@ -9,8 +9,10 @@
 //   C*H    dense attention Σ_t ctx_t · H  N*H    K/V up-projection Σ L_r · H
 //   T*H    query-side projections
 // where ctx_t = P_r + i + 1 is what new token t of request r attends to and H the heads per rank.
-// Each path's total uses a fixed set of terms; coefficients are fitted by non-negative least
-// squares on relative error, so the model cannot predict a negative time.
+// Each path's total uses a fixed set of terms (the sparse path one set per form: MLA's, and the
+// masked-MHA form's, which prices dense attention, the K/V up-projection and the indexer);
+// coefficients are fitted by non-negative least squares on relative error, so the model cannot
+// predict a negative time.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +28,7 @@
 namespace dsakit {
 
 enum class AttentionPath : uint8_t;
+enum class SparseForm : uint8_t;  // plan.h; value 0 is kMla
 
 // The profile format and the kernel revision a profile was measured with: profiles with another
 // value of either are refused as stale. The format changes with a profile's meaning (terms,
@@ -60,8 +63,9 @@ struct CostTerms {
   double predict_ms(const CostFeatures& f) const;
 };
 
-// The terms each path's total (and each stage) is fitted with.
-const std::vector<std::string>& cost_terms(AttentionPath path);
+// The terms each path's total (the sparse path's in `form`, kMla or kMaskedMha; and each stage)
+// is fitted with.
+const std::vector<std::string>& cost_terms(AttentionPath path, SparseForm form = SparseForm{});
 const std::vector<std::string>& cost_stage_terms(const std::string& stage);
 
 // The profile key: what a measurement depends on.
@@ -77,13 +81,15 @@ struct CostKey {
   std::string describe() const;  // "NVIDIA H200, deepseek-v3.2 H=128 (128/64/128, ...), fp8"
 };
 
-// One calibration measurement: a batch's features, which path, the whole-call time and the
-// per-stage times (stage timing synchronizes around stages, so the stages do not sum to ms).
+// One calibration measurement: a batch's features, which path (and, for the sparse path, which
+// form), the whole-call time and the per-stage times (stage timing synchronizes around stages,
+// so the stages do not sum to ms).
 struct CostSample {
   AttentionPath path;
   CostFeatures features;
   double ms = 0;
   std::map<std::string, double> stage_ms;
+  SparseForm form{};  // kMla
 };
 
 // A profile entry. Prediction = the path's linear model times a local correction: the
@@ -93,13 +99,17 @@ struct CostSample {
 // decides; at a calibration shape the prediction is within a few % of the measurement.
 struct CostEntry {
   CostKey key;
-  CostTerms dense, sparse;                  // whole layer call through each path
+  CostTerms dense, sparse;  // whole layer call through each path (sparse: the MLA form)
+  CostTerms masked;         // the sparse path in the masked-MHA form; no names: not calibrated
   std::map<std::string, CostTerms> stages;  // per-stage fits (reported, not used to decide)
   std::vector<CostSample> samples;          // the calibration measurements (stage times dropped)
   std::string created;                      // ISO date of the calibration
 
-  double linear_ms(AttentionPath path, const CostFeatures& f) const;
-  double predict_ms(AttentionPath path, const CostFeatures& f) const;
+  bool prices_masked() const { return !masked.names.empty(); }
+  // `form` matters for the sparse path only; kMaskedMha without masked fits is priced as kMla.
+  double linear_ms(AttentionPath path, const CostFeatures& f, SparseForm form = SparseForm{}) const;
+  double predict_ms(AttentionPath path, const CostFeatures& f,
+                    SparseForm form = SparseForm{}) const;
 
   // Caches each sample's log2 features and log residual against the fits (and the terms' ids),
   // so predict_ms() is a few µs for a whole plan (the planner runs on every layer call). The
@@ -108,6 +118,7 @@ struct CostEntry {
   void prepare();
   struct Neighbor {
     AttentionPath path;
+    SparseForm form;
     double log2_tokens, log2_positions, log2_requests, log_residual;
   };
   std::vector<Neighbor> neighbors;
@@ -137,7 +148,8 @@ struct CostProfile {
 CostTerms fit_cost_terms(const std::vector<std::string>& terms,
                          const std::vector<CostFeatures>& features, const std::vector<double>& ms);
 
-// Fits both paths' totals and every stage seen in `samples`.
+// Fits both paths' totals, the masked-MHA form's where `samples` hold enough of it, and every
+// stage seen in the samples of the dense path and the MLA form.
 CostEntry fit_cost_entry(const CostKey& key, const std::vector<CostSample>& samples);
 
 }  // namespace dsakit

@@ -57,17 +57,6 @@ enum class SparseRows : uint8_t {
 const char* to_string(SparseRows rows);              // "auto" | "pool" | "staged"
 SparseRows parse_sparse_rows(const std::string& s);  // throws naming the accepted names
 
-// How the sparse path attends to the indexer's top-k (docs/layer.md#masked-mha): the same
-// function either way (attention of each query over its selected positions).
-enum class SparseForm : uint8_t {
-  kMla,        // absorbed MLA over the selected pool rows (sparse_mla): work ∝ Σ_t min(ctx_t, k)
-  kMaskedMha,  // the top-k as dense_mha's kv_mask over the up-projected K/V of every context row:
-               // causal work (∝ Σ_t ctx_t) at dense MHA's cheaper per-pair cost; backends with
-               // Capabilities::dense_kv_mask and a dense kernel for the head dims
-};
-const char* to_string(SparseForm form);              // "mla" | "masked-mha"
-SparseForm parse_sparse_form(const std::string& s);  // throws naming the accepted names
-
 struct LayerOptions {
   double sm_scale = 0;                // 0: ModelConfig::softmax_scale()
   DType output_dtype = DType::kBF16;  // bf16 or f32
@@ -88,11 +77,13 @@ struct LayerOptions {
   // The sparse path's fp8 pool reads; DSAKIT_SPARSE_ROWS (auto | pool | staged), read when the
   // layer is constructed, overrides it. Staged or not, the values read are the same.
   SparseRows sparse_rows = SparseRows::kAuto;
-  // The sparse path's attention; DSAKIT_SPARSE_FORM (mla | masked-mha), read when the layer is
-  // constructed, overrides it. kMaskedMha on a backend without the masked dense kernel is
-  // Error(kUnsupported) then. DcpSimulation's ranks run kMla (their top-k merge needs MLA's
+  // The sparse path's attention (SparseForm, in plan.h); DSAKIT_SPARSE_FORM (auto | mla |
+  // masked-mha), read when the layer is constructed, overrides it. kAuto: cost mode picks the
+  // cheaper form per batch where its profile prices both (Plan::sparse_form says which), kMla
+  // in the other modes and on backends without the masked kernel. kMaskedMha on such a backend
+  // is Error(kUnsupported) then. DcpSimulation's ranks run kMla (their top-k merge needs MLA's
   // partial results).
-  SparseForm sparse_form = SparseForm::kMla;
+  SparseForm sparse_form = SparseForm::kAuto;
 };
 
 // Checks layer inputs against the config for T new tokens on `device` (throws naming the tensor).
@@ -156,6 +147,8 @@ class DsaAttention {
   // The same for a plan (a mixed plan: its largest segment's intermediates, the index arrays of
   // the batch and of every segment, and the whole batch's outputs).
   int64_t workspace_bytes(const Batch& batch, const Plan& plan) const;
+  // (With LayerOptions::sparse_form kAuto, the sparse path's bytes are the larger of its two
+  // forms'; a plan's are those of the form it chose.)
 
   // Validates everything (batch, page tables, input shapes) before the first write; then stores
   // the new tokens, plans and runs. A rejected call leaves both pools untouched.
@@ -177,11 +170,12 @@ class DsaAttention {
   // Checks the inputs, outputs and workspace of a call over `batch` planned as `plan`.
   void check_call(const Batch& batch, const Plan& plan, const LayerInputs& in,
                   const LayerOutputs& out) const;
+  int64_t workspace_bytes(const Batch& batch, AttentionPath path, SparseForm form) const;
   // Stores the new tokens and runs the prepared plan into res (whose plan is set).
   LayerResult run(const PreparedBatch::State& state, const LayerInputs& in,
                   const LayerOutputs& out);
-  // batch: the requests bi indexes (it decides the sparse path's staged rows).
-  void run_path(AttentionPath path, const Batch& batch, const BatchIndex& bi,
+  // batch: the requests bi indexes (it decides the sparse path's staged rows); form: the plan's.
+  void run_path(AttentionPath path, SparseForm form, const Batch& batch, const BatchIndex& bi,
                 const detail::DeviceBatchIndex& dev, const LayerInputs& in, const TensorView& o,
                 const TensorView& lse, const TensorView& topk,
                 const std::function<void(const char*, const std::function<void()>&)>& stage);

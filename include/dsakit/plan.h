@@ -55,6 +55,19 @@ struct DispatchPolicy {
   DispatchPolicy with_profile(const std::string& path) const;
 };
 
+// How the sparse path attends to the indexer's top-k (docs/layer.md#masked-mha): the same
+// function either way (attention of each query over its selected positions).
+enum class SparseForm : uint8_t {
+  kMla,        // absorbed MLA over the selected pool rows (sparse_mla): work ∝ Σ_t min(ctx_t, k)
+  kMaskedMha,  // the top-k as dense_mha's kv_mask over the up-projected K/V of every context row:
+               // causal work (∝ Σ_t ctx_t) at dense MHA's cheaper per-pair cost; backends with
+               // masked_mha_available()
+  kAuto,       // (an option, never a plan's form) cost mode picks the form per batch where its
+               // profile prices both and the backend has the masked kernel; kMla otherwise
+};
+const char* to_string(SparseForm form);              // "mla" | "masked-mha" | "auto"
+SparseForm parse_sparse_form(const std::string& s);  // throws naming the accepted names
+
 // A run of consecutive requests that takes one path.
 struct PlanSegment {
   int first_request = 0;
@@ -71,9 +84,14 @@ struct Plan {
   // Runs of requests in batch order with their paths: one segment covering the batch unless
   // path == kMixed.
   std::vector<PlanSegment> segments;
+  // The form the plan's sparse segments take (kMla or kMaskedMha; the layer's option unless it
+  // is kAuto, which cost mode resolves).
+  SparseForm sparse_form = SparseForm::kMla;
   // Cost mode with a profile: predicted ms of the whole batch through each path (-1: that path
-  // is not allowed) and of the chosen plan.
-  double predicted_dense_ms = -1, predicted_sparse_ms = -1, predicted_ms = -1;
+  // is not allowed), the sparse path in the MLA form and, where the profile prices it and the
+  // form may be taken, in the masked-MHA form; and of the chosen plan.
+  double predicted_dense_ms = -1, predicted_sparse_ms = -1, predicted_masked_ms = -1,
+         predicted_ms = -1;
 
   AttentionPath path_of(int request) const;  // the path request `request` takes
 };
@@ -81,9 +99,18 @@ struct Plan {
 // Whether `caps` has a dense MHA kernel for the model's head dims (rule 3).
 bool dense_mha_available(const Capabilities& caps, const ModelConfig& config);
 
+// Whether `caps` can run the sparse path in the masked-MHA form for the model's head dims
+// (Capabilities::dense_kv_mask and a dense kernel for them).
+bool masked_mha_available(const Capabilities& caps, const ModelConfig& config);
+
 // Throws Error(kInvalidArgument) for a policy that cannot be honoured (e.g. a threshold above
 // index_topk without allow_approximation, forced dense on a backend without a dense path).
+// `form` is the layer's LayerOptions::sparse_form: a fixed form is the plan's (kMaskedMha where
+// masked_mha_available is false: Error(kUnsupported)); kAuto lets cost mode with a profile that
+// prices the masked form choose, among batches whose Σ L_r fits the chunk capacity (the form
+// materializes K/V of every position, as the dense path does), and is kMla otherwise.
 Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
-                const Capabilities& caps, const DispatchPolicy& policy);
+                const Capabilities& caps, const DispatchPolicy& policy,
+                SparseForm form = SparseForm::kMla);
 
 }  // namespace dsakit

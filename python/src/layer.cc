@@ -502,6 +502,10 @@ void bind_layer(nb::module_& m) {
           "(first_request, num_requests, path) per run of requests")
       .def_ro("predicted_dense_ms", &Plan::predicted_dense_ms)
       .def_ro("predicted_sparse_ms", &Plan::predicted_sparse_ms)
+      .def_ro("predicted_masked_ms", &Plan::predicted_masked_ms)
+      .def_prop_ro(
+          "sparse_form", [](const Plan& p) { return std::string(to_string(p.sparse_form)); },
+          "the form the plan's sparse segments take: 'mla' or 'masked-mha'")
       .def_ro("predicted_ms", &Plan::predicted_ms)
       .def(
           "path_of", [](const Plan& p, int r) { return path_name(p.path_of(r)); }, "request"_a)
@@ -536,7 +540,7 @@ void bind_layer(nb::module_& m) {
           "threshold"_a = -1, "allow_approximation"_a = false, "chunk_capacity"_a = 131072,
           "allow_split"_a = true, "min_split_gain"_a = 0.05, "profile"_a = nb::none(),
           "time_stages"_a = false, "max_workspace_bytes"_a = 0, "sparse_rows"_a = "auto",
-          "sparse_form"_a = "mla")
+          "sparse_form"_a = "auto")
       .def_rw("sm_scale", &LayerOptions::sm_scale)
       .def_prop_ro("output_dtype",
                    [](const LayerOptions& o) { return std::string(to_string(o.output_dtype)); })

@@ -40,22 +40,6 @@ SparseRows parse_sparse_rows(const std::string& s) {
   DSAKIT_FAIL(kInvalidArgument, "sparse rows: expected 'auto', 'pool' or 'staged', got '", s, "'");
 }
 
-const char* to_string(SparseForm form) {
-  switch (form) {
-    case SparseForm::kMla:
-      return "mla";
-    case SparseForm::kMaskedMha:
-      return "masked-mha";
-  }
-  return "?";
-}
-
-SparseForm parse_sparse_form(const std::string& s) {
-  for (SparseForm f : {SparseForm::kMla, SparseForm::kMaskedMha})
-    if (s == to_string(f)) return f;
-  DSAKIT_FAIL(kInvalidArgument, "sparse form: expected 'mla' or 'masked-mha', got '", s, "'");
-}
-
 DsaAttention::DsaAttention(ModelConfig config, Backend& backend, PagedKvPool& kv_pool,
                            IndexKeyPool& index_pool, TensorView kv_b_proj, LayerOptions options)
     : config_(std::move(config)),
@@ -129,13 +113,21 @@ void check_layer_inputs(const ModelConfig& c, Device dev, const LayerInputs& in,
 Plan DsaAttention::plan(const Batch& batch) const {
   batch.validate(kv_pool_.desc().page_size, kv_pool_.desc().num_pages);
   return plan_batch(batch, config_, kv_pool_.layout(), backend_.capabilities(),
-                    options_.policy.with_env());
+                    options_.policy.with_env(), options_.sparse_form);
 }
 
 int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) const {
   DSAKIT_CHECK_ARG(path != AttentionPath::kMixed,
                    "workspace_bytes: a mixed plan's workspace depends on its segments; pass the "
                    "Plan");
+  if (path == AttentionPath::kSparseMla && options_.sparse_form == SparseForm::kAuto)
+    return std::max(workspace_bytes(batch, path, SparseForm::kMla),
+                    workspace_bytes(batch, path, SparseForm::kMaskedMha));
+  return workspace_bytes(batch, path, options_.sparse_form);
+}
+
+int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path,
+                                      SparseForm form) const {
   const auto& c = config_;
   const int64_t t = batch.num_new_tokens(), n = batch.total_kv_len(), h = c.num_heads;
   const int64_t mid = int64_t(dtype_size(backend_.capabilities().intermediate_dtype));
@@ -162,9 +154,9 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
   bytes += 4 * t * k + IndexerBlocks::plan(t, c.index_n_heads, c.index_head_dim, n, c.index_topk,
                                            indexer_block_bytes())
                            .bytes;
-  if (options_.sparse_form == SparseForm::kMaskedMha)
+  if (form == SparseForm::kMaskedMha)
     return bytes + 4 * t * detail::kv_mask_words(batch.max_kv_len()) +
-           workspace_bytes(batch, AttentionPath::kDenseMha) - outputs_and_index;
+           workspace_bytes(batch, AttentionPath::kDenseMha, form) - outputs_and_index;
   bytes += 4 * t * k + 2 * mid * t * h * c.kv_lora_rank;
   if (detail::stage_sparse_rows(be, kv_pool_, options_.sparse_rows, batch, c))
     bytes += detail::staged_rows_bytes(kv_pool_.desc(), n);
@@ -172,7 +164,8 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) co
 }
 
 int64_t DsaAttention::workspace_bytes(const Batch& batch, const Plan& plan) const {
-  if (plan.path != AttentionPath::kMixed) return workspace_bytes(batch, plan.path);
+  if (plan.path != AttentionPath::kMixed)
+    return workspace_bytes(batch, plan.path, plan.sparse_form);
   // Segments run one after another: the largest one's intermediates, plus the whole batch's
   // outputs and the top-k array (-1 rows for the dense segments), plus the index arrays of the
   // batch and of every segment (uploaded together before the first segment runs).
@@ -181,7 +174,7 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, const Plan& plan) cons
   int64_t seg_max = 0, indexes = index_bytes(batch);
   for (const auto& s : plan.segments) {
     const Batch sub = batch.slice(s.first_request, s.num_requests);
-    seg_max = std::max(seg_max, workspace_bytes(sub, s.path) - index_bytes(sub));
+    seg_max = std::max(seg_max, workspace_bytes(sub, s.path, plan.sparse_form) - index_bytes(sub));
     indexes += index_bytes(sub);
   }
   return seg_max + indexes +
@@ -189,10 +182,10 @@ int64_t DsaAttention::workspace_bytes(const Batch& batch, const Plan& plan) cons
          4 * t * c.num_heads + 4 * t * c.index_topk;
 }
 
-void DsaAttention::run_path(AttentionPath path, const Batch& batch, const BatchIndex& bi,
-                            const detail::DeviceBatchIndex& dev, const LayerInputs& in,
-                            const TensorView& o, const TensorView& lse, const TensorView& topk,
-                            const detail::StageFn& stage) {
+void DsaAttention::run_path(AttentionPath path, SparseForm form, const Batch& batch,
+                            const BatchIndex& bi, const detail::DeviceBatchIndex& dev,
+                            const LayerInputs& in, const TensorView& o, const TensorView& lse,
+                            const TensorView& topk, const detail::StageFn& stage) {
   switch (path) {
     case AttentionPath::kDenseMha: {
       // Dense MHA re-reads every position (prefix included) through the pool format; where that
@@ -208,7 +201,7 @@ void DsaAttention::run_path(AttentionPath path, const Batch& batch, const BatchI
     case AttentionPath::kSparseMla:
       detail::sparse_path(
           backend_, config_, sm_scale_, kv_pool_, index_pool_, bi, dev, in, kv_b_proj_, o, lse,
-          topk, stage, options_.sparse_form,
+          topk, stage, form,
           detail::stage_sparse_rows(backend_, kv_pool_, options_.sparse_rows, batch, config_),
           detail::fp8_up_proj_weights(backend_, kv_pool_, options_));
       return;
@@ -354,8 +347,8 @@ LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInpu
                   [](const PlanSegment& s) { return s.path == AttentionPath::kSparseMla; });
   if (any_sparse) res.topk = output(out.topk, DType::kI32, {t, c.index_topk});
   if (res.plan.path != AttentionPath::kMixed) {
-    run_path(res.plan.path, state.batch, state.bi, state.dev[0], in, res.o, res.lse, res.topk,
-             stage);
+    run_path(res.plan.path, res.plan.sparse_form, state.batch, state.bi, state.dev[0], in, res.o,
+             res.lse, res.topk, stage);
     if (store_last) store();
     return res;
   }
@@ -373,8 +366,8 @@ LayerResult DsaAttention::run(const PreparedBatch::State& state, const LayerInpu
     rows.idx_q = slice_rows(in.idx_q, r0, r1);
     rows.idx_k = slice_rows(in.idx_k, r0, r1);
     rows.idx_w = slice_rows(in.idx_w, r0, r1);
-    run_path(s.path, state.run_batch[i], state.run_bi[i], state.dev[i + 1], rows,
-             slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
+    run_path(s.path, res.plan.sparse_form, state.run_batch[i], state.run_bi[i], state.dev[i + 1],
+             rows, slice_rows(res.o, r0, r1), slice_rows(res.lse, r0, r1),
              s.path == AttentionPath::kSparseMla ? slice_rows(res.topk, r0, r1) : TensorView{},
              stage);
   }

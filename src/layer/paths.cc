@@ -191,17 +191,13 @@ SparseForm resolve_sparse_form(const Backend& be, const ModelConfig& c, SparseFo
       DSAKIT_FAIL(kInvalidArgument, "DSAKIT_SPARSE_FORM: ", e.what());
     }
   }
-  if (option == SparseForm::kMaskedMha) {
-    const Capabilities& caps = be.capabilities();
-    const std::array<int, 3> dims{c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim};
-    const bool dims_ok = caps.dense_head_dims.empty() ||
-                         std::find(caps.dense_head_dims.begin(), caps.dense_head_dims.end(),
-                                   dims) != caps.dense_head_dims.end();
-    DSAKIT_CHECK(caps.dense_mha && caps.dense_kv_mask && dims_ok, kUnsupported,
-                 "sparse form masked-mha: the ", caps.device_name,
-                 " backend has no masked dense MHA kernel for head dims (", dims[0], ", ", dims[1],
-                 ", ", dims[2], ") (Capabilities::dense_kv_mask); use 'mla'");
-  }
+  const Capabilities& caps = be.capabilities();
+  if (option == SparseForm::kAuto && !masked_mha_available(caps, c)) return SparseForm::kMla;
+  DSAKIT_CHECK(option != SparseForm::kMaskedMha || masked_mha_available(caps, c), kUnsupported,
+               "sparse form masked-mha: the ", caps.device_name,
+               " backend has no masked dense MHA kernel for head dims (", c.qk_nope_head_dim, ", ",
+               c.qk_rope_head_dim, ", ", c.v_head_dim,
+               ") (Capabilities::dense_kv_mask); use 'mla' or 'auto'");
   return option;
 }
 

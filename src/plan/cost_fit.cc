@@ -101,26 +101,35 @@ CostTerms fit_cost_terms(const std::vector<std::string>& terms,
 CostEntry fit_cost_entry(const CostKey& key, const std::vector<CostSample>& samples) {
   CostEntry e;
   e.key = key;
-  for (const CostSample& smp : samples) e.samples.push_back({smp.path, smp.features, smp.ms, {}});
+  for (const CostSample& smp : samples)
+    e.samples.push_back({smp.path, smp.features, smp.ms, {}, smp.form});
   std::map<std::string, std::pair<std::vector<CostFeatures>, std::vector<double>>> stage_data;
-  for (AttentionPath path : {AttentionPath::kDenseMha, AttentionPath::kSparseMla}) {
+  const std::pair<AttentionPath, SparseForm> fits[] = {
+      {AttentionPath::kDenseMha, SparseForm::kMla},
+      {AttentionPath::kSparseMla, SparseForm::kMla},
+      {AttentionPath::kSparseMla, SparseForm::kMaskedMha}};
+  for (const auto& [path, form] : fits) {
+    const bool masked = form == SparseForm::kMaskedMha;
     std::vector<CostFeatures> f;
     std::vector<double> t;
     for (const auto& s : samples) {
-      if (s.path != path) continue;
+      if (s.path != path || (path == AttentionPath::kSparseMla && s.form != form)) continue;
       f.push_back(s.features);
       t.push_back(s.ms);
+      if (masked) continue;  // its dense_mha stage is another kernel's: not in the stage fits
       for (const auto& [stage, ms] : s.stage_ms) {
         if (ms <= 0) continue;
         stage_data[stage].first.push_back(s.features);
         stage_data[stage].second.push_back(ms);
       }
     }
-    DSAKIT_CHECK_ARG(t.size() >= cost_terms(path).size(), "cost fit: ", t.size(), " ",
-                     to_string(path), " samples for ", cost_terms(path).size(),
+    const auto& terms = cost_terms(path, form);
+    if (masked && t.empty()) continue;  // the form was not calibrated
+    DSAKIT_CHECK_ARG(t.size() >= terms.size(), "cost fit: ", t.size(), " ", to_string(path),
+                     masked ? " (masked-mha)" : "", " samples for ", terms.size(),
                      " terms; calibrate over more shapes");
-    (path == AttentionPath::kDenseMha ? e.dense : e.sparse) =
-        fit_cost_terms(cost_terms(path), f, t);
+    CostTerms fit = fit_cost_terms(terms, f, t);
+    (path == AttentionPath::kDenseMha ? e.dense : masked ? e.masked : e.sparse) = std::move(fit);
   }
   for (const auto& [stage, data] : stage_data)
     if (data.second.size() >= cost_stage_terms(stage).size())

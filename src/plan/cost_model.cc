@@ -77,12 +77,15 @@ double CostTerms::predict_ms(const CostFeatures& f) const {
   return ms;
 }
 
-const std::vector<std::string>& cost_terms(AttentionPath path) {
+const std::vector<std::string>& cost_terms(AttentionPath path, SparseForm form) {
   // Dense: gather + K/V up-projection scale with positions, attention with Σ ctx.
   static const std::vector<std::string> dense = {"1", "R", "T", "N", "N*H", "C*H"};
   // Sparse: indexer over Σ ctx, top-k rows, projections per token, attention over k_eff.
   static const std::vector<std::string> sparse = {"1", "R", "T", "N", "T*H", "K*H", "C*Hi"};
-  return path == AttentionPath::kDenseMha ? dense : sparse;
+  // Sparse as masked dense MHA: the dense path's terms and the indexer's.
+  static const std::vector<std::string> masked = {"1", "R", "T", "N", "N*H", "C*H", "C*Hi"};
+  if (path == AttentionPath::kDenseMha) return dense;
+  return form == SparseForm::kMaskedMha ? masked : sparse;
 }
 
 const std::vector<std::string>& cost_stage_terms(const std::string& stage) {
@@ -102,8 +105,9 @@ const std::vector<std::string>& cost_stage_terms(const std::string& stage) {
   return it == table.end() ? fallback : it->second;
 }
 
-double CostEntry::linear_ms(AttentionPath path, const CostFeatures& f) const {
-  return (path == AttentionPath::kDenseMha ? dense : sparse).predict_ms(f);
+double CostEntry::linear_ms(AttentionPath path, const CostFeatures& f, SparseForm form) const {
+  if (path == AttentionPath::kDenseMha) return dense.predict_ms(f);
+  return (form == SparseForm::kMaskedMha && prices_masked() ? masked : sparse).predict_ms(f);
 }
 
 namespace {
@@ -115,22 +119,25 @@ double log2_at_least_1(double v) {
 }  // namespace
 
 void CostEntry::prepare() {
-  for (CostTerms* t : {&dense, &sparse}) {
+  for (CostTerms* t : {&dense, &sparse, &masked}) {
     t->ids.clear();
     for (const auto& n : t->names) t->ids.push_back(parse_cost_term(n));
   }
   neighbors.clear();
   for (const CostSample& s : samples) {
-    const double base = linear_ms(s.path, s.features);
+    const double base = linear_ms(s.path, s.features, s.form);
     if (s.ms <= 0 || base <= 0) continue;
-    neighbors.push_back({s.path, log2_at_least_1(s.features.tokens),
+    if (s.form == SparseForm::kMaskedMha && !prices_masked()) continue;
+    neighbors.push_back({s.path, s.form, log2_at_least_1(s.features.tokens),
                          log2_at_least_1(s.features.positions),
                          log2_at_least_1(s.features.requests), std::log(s.ms / base)});
   }
 }
 
-double CostEntry::predict_ms(AttentionPath path, const CostFeatures& f) const {
-  const double linear = linear_ms(path, f);
+double CostEntry::predict_ms(AttentionPath path, const CostFeatures& f, SparseForm form) const {
+  // The neighbours measured this path in this form (the dense path has one form: kMla's value).
+  if (path == AttentionPath::kDenseMha || !prices_masked()) form = SparseForm::kMla;
+  const double linear = linear_ms(path, f, form);
   if (linear <= 0 || neighbors.empty()) return linear;
   // Local correction in log space: Gaussian weights over the distance in octaves of tokens,
   // positions and requests; kShrink is the weight of "no correction" (a sample exactly one
@@ -140,7 +147,7 @@ double CostEntry::predict_ms(AttentionPath path, const CostFeatures& f) const {
                lr = log2_at_least_1(f.requests);
   double weight = 0, sum = 0;
   for (const Neighbor& s : neighbors) {
-    if (s.path != path) continue;
+    if (s.path != path || s.form != form) continue;
     const double dt = lt - s.log2_tokens, dn = ln - s.log2_positions, dr = lr - s.log2_requests;
     const double d2 = dt * dt + dn * dn + dr * dr;
     if (d2 > 28 * kSigma * kSigma) continue;  // weight < 1e-6

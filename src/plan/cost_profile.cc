@@ -112,9 +112,11 @@ std::string CostProfile::to_json() const {
                                {"H", f.heads},
                                {"Hi", f.index_heads},
                                {"ms", smp.ms}});
+      if (smp.form == SparseForm::kMaskedMha) je["samples"].back()["form"] = to_string(smp.form);
     }
     je["dense"] = terms_json(e.dense);
     je["sparse"] = terms_json(e.sparse);
+    if (e.prices_masked()) je["masked"] = terms_json(e.masked);
     for (const auto& [name, t] : e.stages) je["stages"][name] = terms_json(t);
     j["entries"].push_back(je);
   }
@@ -170,6 +172,11 @@ CostProfile CostProfile::from_json(const std::string& text, const std::string& s
         DSAKIT_CHECK_ARG(path == "dense_mha" || path == "sparse_mla",
                          "sample path: expected dense_mha or sparse_mla, got '", path, "'");
         smp.path = path == "dense_mha" ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
+        if (js.contains("form")) {
+          smp.form = parse_sparse_form(js.at("form").get<std::string>());
+          DSAKIT_CHECK_ARG(smp.path == AttentionPath::kSparseMla && smp.form != SparseForm::kAuto,
+                           "sample form: a sparse_mla sample's 'mla' or 'masked-mha'");
+        }
         CostFeatures& f = smp.features;
         f.requests = js.at("R").get<double>();
         f.tokens = js.at("T").get<double>();
@@ -185,6 +192,10 @@ CostProfile CostProfile::from_json(const std::string& text, const std::string& s
       }
       e.dense = terms_from(je.at("dense"), cost_terms(AttentionPath::kDenseMha), "dense");
       e.sparse = terms_from(je.at("sparse"), cost_terms(AttentionPath::kSparseMla), "sparse");
+      if (je.contains("masked"))
+        e.masked =
+            terms_from(je.at("masked"),
+                       cost_terms(AttentionPath::kSparseMla, SparseForm::kMaskedMha), "masked");
       if (je.contains("stages") && je["stages"].is_object())
         for (const auto& [name, t] : je["stages"].items())
           e.stages[name] = terms_from(t, {}, name.c_str());

@@ -35,6 +35,29 @@ bool dense_mha_available(const Capabilities& caps, const ModelConfig& c) {
          caps.dense_head_dims.end();
 }
 
+const char* to_string(SparseForm form) {
+  switch (form) {
+    case SparseForm::kMla:
+      return "mla";
+    case SparseForm::kMaskedMha:
+      return "masked-mha";
+    case SparseForm::kAuto:
+      return "auto";
+  }
+  return "?";
+}
+
+SparseForm parse_sparse_form(const std::string& s) {
+  for (SparseForm f : {SparseForm::kMla, SparseForm::kMaskedMha, SparseForm::kAuto})
+    if (s == to_string(f)) return f;
+  DSAKIT_FAIL(kInvalidArgument, "sparse form: expected 'auto', 'mla' or 'masked-mha', got '", s,
+              "'");
+}
+
+bool masked_mha_available(const Capabilities& caps, const ModelConfig& c) {
+  return caps.dense_kv_mask && dense_mha_available(caps, c);
+}
+
 AttentionPath Plan::path_of(int request) const {
   for (const auto& s : segments)
     if (request >= s.first_request && request < s.first_request + s.num_requests) return s.path;
@@ -158,92 +181,137 @@ std::string fmt_ms(double ms) {
 // Cost mode with a profile: the engine-state rules (1-3, 5, 7, 8) still decide whether dense is
 // possible at all; among the exact choices (requests with L_r <= threshold, dense runs within
 // the chunk capacity) the cheapest predicted plan wins: the whole batch dense, the whole batch
-// sparse, or runs of requests each on its cheaper path.
+// sparse, or runs of requests each on its cheaper path. Under SparseForm::kAuto that choice is
+// made once per form the sparse path may take (MLA; masked MHA where the profile prices it, the
+// engine state allows dense work and Σ L_r fits the chunk capacity), and the cheaper plan wins.
 Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const Capabilities& caps,
-                  const DispatchPolicy& policy, int64_t threshold) {
+                  const DispatchPolicy& policy, int64_t threshold, SparseForm form_option) {
   DSAKIT_CHECK_ARG(policy.min_split_gain >= 0 && policy.min_split_gain < 1,
                    "min_split_gain: expected a fraction in [0, 1), got ", policy.min_split_gain);
   const CostEntry& entry = policy.profile->find(CostKey::of(caps.device_name, c, layout));
   Plan plan;
   plan.mode = DispatchMode::kCost;
   const int n = b.num_requests();
-  auto cost = [&](AttentionPath p, int first, int count) {
-    return entry.predict_ms(p, CostFeatures::of(b, c, first, count));
+  auto cost = [&](AttentionPath p, SparseForm f, int first, int count) {
+    return entry.predict_ms(p, CostFeatures::of(b, c, first, count), f);
   };
-  plan.predicted_sparse_ms = cost(AttentionPath::kSparseMla, 0, n);
+  auto len = [&](int r) { return int64_t(b.prefix_lens[size_t(r)]) + b.extend_lens[size_t(r)]; };
+  auto positions = [&](int first, int count) {
+    int64_t total = 0;
+    for (int r = first; r < first + count; ++r) total += len(r);
+    return total;
+  };
   const RuleCheck state = check_rules(b, c, layout, caps, INT64_MAX, INT64_MAX, /*explain=*/false);
+  const bool masked_fixed = form_option == SparseForm::kMaskedMha;
+  const bool may_mask =
+      masked_fixed || (form_option == SparseForm::kAuto && state.rule == 0 &&
+                       entry.prices_masked() && positions(0, n) <= policy.chunk_capacity);
+  if (!masked_fixed)
+    plan.predicted_sparse_ms = cost(AttentionPath::kSparseMla, SparseForm::kMla, 0, n);
+  if (may_mask)
+    plan.predicted_masked_ms = cost(AttentionPath::kSparseMla, SparseForm::kMaskedMha, 0, n);
+  std::string& why = plan.reason;
+  auto out = std::back_inserter(why);
+  const auto print_predictions = [&] {
+    if (plan.predicted_sparse_ms >= 0)
+      fmt::format_to(out, ", sparse {}", fmt_ms(plan.predicted_sparse_ms));
+    if (plan.predicted_masked_ms >= 0)
+      fmt::format_to(out, ", masked-mha {}", fmt_ms(plan.predicted_masked_ms));
+  };
   if (state.rule != 0) {
     plan.rule = state.rule;
     plan.path = AttentionPath::kSparseMla;
-    plan.predicted_ms = plan.predicted_sparse_ms;
-    plan.reason =
-        "cost mode: sparse MLA: " + check_rules(b, c, layout, caps, INT64_MAX, INT64_MAX).why;
+    plan.sparse_form = masked_fixed ? SparseForm::kMaskedMha : SparseForm::kMla;
+    plan.predicted_ms = masked_fixed ? plan.predicted_masked_ms : plan.predicted_sparse_ms;
+    why = fmt::format("cost mode: sparse {}: {}", masked_fixed ? "masked-MHA" : "MLA",
+                      check_rules(b, c, layout, caps, INT64_MAX, INT64_MAX).why);
     return plan;
   }
-  auto len = [&](int r) { return int64_t(b.prefix_lens[size_t(r)]) + b.extend_lens[size_t(r)]; };
   auto dense_ok = [&](int first, int count) {
-    int64_t total = 0;
-    for (int r = first; r < first + count; ++r) {
+    for (int r = first; r < first + count; ++r)
       if (len(r) > threshold) return false;
-      total += len(r);
-    }
-    return total <= policy.chunk_capacity;
+    return positions(first, count) <= policy.chunk_capacity;
   };
-  if (dense_ok(0, n)) plan.predicted_dense_ms = cost(AttentionPath::kDenseMha, 0, n);
+  if (dense_ok(0, n))
+    plan.predicted_dense_ms = cost(AttentionPath::kDenseMha, SparseForm::kMla, 0, n);
 
-  // Runs: each request on its cheaper allowed path alone, consecutive equal paths merged.
-  std::vector<PlanSegment> runs;
-  double runs_ms = 0;
-  if (policy.allow_split && n > 1) {
-    for (int r = 0; r < n; ++r) {
-      AttentionPath p = AttentionPath::kSparseMla;
-      if (len(r) <= threshold &&
-          cost(AttentionPath::kDenseMha, r, 1) < cost(AttentionPath::kSparseMla, r, 1))
-        p = AttentionPath::kDenseMha;
-      if (!runs.empty() && runs.back().path == p)
-        ++runs.back().num_requests;
-      else
-        runs.push_back({r, 1, p});
-    }
-    for (const auto& s : runs) {
-      if (s.path == AttentionPath::kDenseMha && !dense_ok(s.first_request, s.num_requests)) {
-        runs.clear();  // a dense run over the chunk capacity: no split
-        break;
+  // One candidate plan per form the sparse path may take.
+  struct Candidate {
+    SparseForm form;
+    double sparse_ms;
+    std::vector<PlanSegment> runs;  // a split, or empty
+    double runs_ms = 0, best_ms = 0;
+    bool split = false;  // the runs are the plan
+    bool dense = false;  // else: the whole batch dense (or sparse)
+  };
+  std::vector<Candidate> candidates;
+  for (SparseForm f : {SparseForm::kMla, SparseForm::kMaskedMha}) {
+    const double sparse_ms =
+        f == SparseForm::kMla ? plan.predicted_sparse_ms : plan.predicted_masked_ms;
+    if (sparse_ms < 0) continue;
+    Candidate cand{f, sparse_ms, {}};
+    // Runs: each request on its cheaper allowed path alone, consecutive equal paths merged.
+    if (policy.allow_split && n > 1) {
+      for (int r = 0; r < n; ++r) {
+        AttentionPath p = AttentionPath::kSparseMla;
+        if (len(r) <= threshold && cost(AttentionPath::kDenseMha, SparseForm::kMla, r, 1) <
+                                       cost(AttentionPath::kSparseMla, f, r, 1))
+          p = AttentionPath::kDenseMha;
+        if (!cand.runs.empty() && cand.runs.back().path == p)
+          ++cand.runs.back().num_requests;
+        else
+          cand.runs.push_back({r, 1, p});
       }
-      runs_ms += cost(s.path, s.first_request, s.num_requests);
+      for (const auto& s : cand.runs) {
+        if (s.path == AttentionPath::kDenseMha && !dense_ok(s.first_request, s.num_requests)) {
+          cand.runs.clear();  // a dense run over the chunk capacity: no split
+          break;
+        }
+        cand.runs_ms += cost(s.path, f, s.first_request, s.num_requests);
+      }
+      if (cand.runs.size() < 2) cand.runs.clear();
     }
-    if (runs.size() < 2) runs.clear();
+    cand.dense = plan.predicted_dense_ms >= 0 && plan.predicted_dense_ms <= sparse_ms;
+    const double whole = cand.dense ? plan.predicted_dense_ms : sparse_ms;
+    cand.best_ms = whole;
+    cand.split = !cand.runs.empty() && cand.runs_ms < whole * (1 - policy.min_split_gain);
+    if (cand.split) cand.best_ms = cand.runs_ms;
+    candidates.push_back(std::move(cand));
   }
-
-  const bool dense =
-      plan.predicted_dense_ms >= 0 && plan.predicted_dense_ms <= plan.predicted_sparse_ms;
-  const double whole = dense ? plan.predicted_dense_ms : plan.predicted_sparse_ms;
-  std::string& why = plan.reason;
-  auto out = std::back_inserter(why);
+  const Candidate& best = *std::min_element(
+      candidates.begin(), candidates.end(),
+      [](const Candidate& x, const Candidate& y) { return x.best_ms < y.best_ms; });
+  plan.sparse_form = best.form;
+  const bool masked = best.form == SparseForm::kMaskedMha;
+  const double whole = best.dense ? plan.predicted_dense_ms : best.sparse_ms;
   why = "cost mode: ";
-  if (!runs.empty() && runs_ms < whole * (1 - policy.min_split_gain)) {
+  if (best.split) {
     plan.path = AttentionPath::kMixed;
-    plan.segments = runs;
-    plan.predicted_ms = runs_ms;
-    fmt::format_to(out, "split into {} runs (", runs.size());
-    for (size_t i = 0; i < runs.size(); ++i) {
-      const auto& s = runs[i];
+    plan.segments = best.runs;
+    plan.predicted_ms = best.runs_ms;
+    fmt::format_to(out, "split into {} runs (", best.runs.size());
+    for (size_t i = 0; i < best.runs.size(); ++i) {
+      const auto& s = best.runs[i];
       fmt::format_to(out, "{}{} r{}", i ? ", " : "",
-                     s.path == AttentionPath::kDenseMha ? "dense" : "sparse", s.first_request);
+                     s.path == AttentionPath::kDenseMha ? "dense"
+                     : masked                           ? "masked-mha"
+                                                        : "sparse",
+                     s.first_request);
       if (s.num_requests > 1) fmt::format_to(out, "-{}", s.first_request + s.num_requests - 1);
     }
-    fmt::format_to(out, ") predicted {} < whole batch ", fmt_ms(runs_ms));
+    fmt::format_to(out, ") predicted {} < whole batch ", fmt_ms(best.runs_ms));
   } else {
-    plan.path = dense ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
+    plan.path = best.dense ? AttentionPath::kDenseMha : AttentionPath::kSparseMla;
     plan.predicted_ms = whole;
-    if (!runs.empty() && runs_ms < whole)
-      fmt::format_to(out, "a split into {} runs predicted {} saves less than {:g}%; ", runs.size(),
-                     fmt_ms(runs_ms), 100 * policy.min_split_gain);
-    why += dense ? "dense MHA predicted " : "sparse MLA predicted ";
+    if (!best.runs.empty() && best.runs_ms < whole)
+      fmt::format_to(out, "a split into {} runs predicted {} saves less than {:g}%; ",
+                     best.runs.size(), fmt_ms(best.runs_ms), 100 * policy.min_split_gain);
+    why += best.dense ? "dense MHA predicted "
+           : masked   ? "sparse masked-MHA predicted "
+                      : "sparse MLA predicted ";
   }
-  fmt::format_to(out, "dense {}, sparse {}",
-                 plan.predicted_dense_ms >= 0 ? fmt_ms(plan.predicted_dense_ms) : "not exact",
-                 fmt_ms(plan.predicted_sparse_ms));
+  fmt::format_to(out, "dense {}",
+                 plan.predicted_dense_ms >= 0 ? fmt_ms(plan.predicted_dense_ms) : "not exact");
   if (plan.predicted_dense_ms < 0) {
     const int32_t max_len = b.max_kv_len();
     if (max_len > threshold)
@@ -252,6 +320,7 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
       fmt::format_to(out, " (sum L_r = {} > chunk capacity {})", b.total_kv_len(),
                      policy.chunk_capacity);
   }
+  print_predictions();
   fmt::format_to(out, "; profile {} {} H={} {}", entry.key.device, entry.key.model, entry.key.heads,
                  entry.key.layout);
   return plan;
@@ -259,7 +328,12 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
 }  // namespace
 
 Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
-                const Capabilities& caps, const DispatchPolicy& policy) {
+                const Capabilities& caps, const DispatchPolicy& policy, SparseForm form) {
+  if (form == SparseForm::kAuto && !masked_mha_available(caps, config)) form = SparseForm::kMla;
+  DSAKIT_CHECK(form != SparseForm::kMaskedMha || masked_mha_available(caps, config), kUnsupported,
+               "sparse form masked-mha: ", caps.device_name,
+               " has no dense MHA kernel with a kv mask for d_nope/d_rope/d_v = ",
+               config.qk_nope_head_dim, "/", config.qk_rope_head_dim, "/", config.v_head_dim);
   const int64_t k = config.index_topk;
   const int64_t threshold = policy.threshold < 0 ? k : policy.threshold;
   DSAKIT_CHECK_ARG(threshold <= k || policy.allow_approximation, "dense threshold ", threshold,
@@ -292,7 +366,7 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
     }
     case DispatchMode::kCost:
       if (policy.profile) {
-        plan = plan_by_cost(batch, config, layout, caps, policy, threshold);
+        plan = plan_by_cost(batch, config, layout, caps, policy, threshold, form);
         why = std::move(plan.reason);
         break;
       }
@@ -309,6 +383,8 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
       break;
     }
   }
+  if (plan.mode != DispatchMode::kCost || !policy.profile)
+    plan.sparse_form = form == SparseForm::kMaskedMha ? SparseForm::kMaskedMha : SparseForm::kMla;
   if (plan.segments.empty()) plan.segments.push_back({0, batch.num_requests(), plan.path});
   plan.approximate = false;
   for (const auto& seg : plan.segments)
@@ -318,6 +394,10 @@ Plan plan_batch(const Batch& batch, const ModelConfig& config, KvLayout layout,
   if (plan.approximate)
     fmt::format_to(std::back_inserter(why),
                    " (APPROXIMATE: contexts longer than index_topk {}, opted in)", k);
+  if (plan.sparse_form == SparseForm::kMaskedMha &&
+      !(plan.mode == DispatchMode::kCost && policy.profile) &&
+      plan.path != AttentionPath::kDenseMha)
+    why += " (sparse form masked-mha)";
   why += suffix(policy);
   plan.reason = std::move(why);
   return plan;

@@ -139,6 +139,23 @@ def test_calibrated_profile_drives_cost_mode(run, profile, tmp_path):
     plan = json.loads(p.stdout)
     assert plan["mode"] == "cost" and plan["predicted_ms"]["plan"] > 0
     assert "predicted" in plan["reason"]
+    # The CPU backend has the masked kernel: the sparse path was calibrated in both forms, and
+    # under --sparse-form auto (the default) a prompt beyond index_topk takes the cheaper one.
+    assert set(entry["masked"]["coef_ms"]) >= {"1", "N*H", "C*H", "C*Hi"}
+    assert any(smp.get("form") == "masked-mha" for smp in entry["samples"])
+    long_prompt = ["plan", "--device", "cpu", "--model", "deepseek-v3.2", "--tp", "8", "--kv",
+                   "bf16", "--dispatch", "cost", "--profile", profile, "--prompts", "3000",
+                   "--json"]
+    plan = json.loads(run(*long_prompt).stdout)
+    pred = plan["predicted_ms"]
+    assert pred["dense"] < 0 and pred["sparse"] > 0 and pred["masked"] > 0, plan
+    cheaper = "masked-mha" if pred["masked"] < pred["sparse"] else "mla"
+    assert plan["sparse_form"] == cheaper and pred["plan"] == min(pred["sparse"], pred["masked"])
+    assert "masked-mha" in plan["reason"], plan["reason"]
+    plan = json.loads(run(*long_prompt, "--sparse-form", "mla").stdout)
+    assert plan["sparse_form"] == "mla" and plan["predicted_ms"]["masked"] < 0, plan
+    plan = json.loads(run(*long_prompt, "--sparse-form", "masked-mha").stdout)
+    assert plan["sparse_form"] == "masked-mha" and plan["predicted_ms"]["sparse"] < 0, plan
     out = tmp_path / "b.json"
     p = run("bench", *QUICK, "--grid", "quick", *FAST, "--no-stages", "--profile", profile,
             "--json", out, "--quiet")

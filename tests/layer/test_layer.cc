@@ -139,7 +139,8 @@ double tol_lse_across_paths(const Harness& h) {
 }
 
 // Every computed token of `out` (two requests of lengths `len`) against the float64 layer
-// reference over h's pools and weights; dense-path rows attend to all positions.
+// reference over h's pools and weights; dense-path rows attend to all positions, and rows of the
+// masked-MHA form take the reference's dense arithmetic over their top-k.
 void expect_matches_reference(Harness& h, const RunOutputs& out, const std::vector<int32_t>& len) {
   const ModelConfig& c = h.cfg;
   const Tensor kv_host = h.be->to_host(h.kv.storage()), ix_host = h.be->to_host(h.ix.storage());
@@ -167,7 +168,7 @@ void expect_matches_reference(Harness& h, const RunOutputs& out, const std::vect
       const int r = row < len[0] ? 0 : 1;
       const bool dense = st.plan.path == AttentionPath::kDenseMha;
       qs.push_back({r, int32_t(row - (r ? len[0] : 0)), dense,
-                    dense || h.layer->options().sparse_form == SparseForm::kMaskedMha});
+                    dense || st.plan.sparse_form == SparseForm::kMaskedMha});
       rows.push_back(row);
     }
   const auto ref = reference::layer_outputs(snap, qs);
@@ -459,6 +460,98 @@ TEST_P(LayerTest, MaskedMhaFormEqualsMla) {
   ::unsetenv("DSAKIT_SPARSE_FORM");
   testing::expect_error_naming([&] { parse_sparse_form("masked"); }, "masked-mha",
                                ErrorKind::kInvalidArgument);
+}
+
+// SparseForm::kAuto (the default) under cost mode: the layer runs the form its plan chose, the
+// cheaper one by the profile (here one whose fixed costs decide), over a prompt longer than
+// index_topk; a decode step (rule 2) stays MLA; the outputs are MLA's function either way; a
+// profile without masked fits keeps MLA; the workspace estimate of a sparse batch under kAuto
+// covers both forms.
+TEST_P(LayerTest, AutoSparseFormRunsThePlansForm) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed);
+  const KvLayout layout = KvLayout::kBf16;
+  const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 64);
+  const std::vector<int32_t> prompt = {150, 90}, len = {152, 92};
+  // A profile whose fixed costs make `cheap` the sparse path's cheaper form (no masked fits
+  // when `masked_fits` is false).
+  const auto profile_for = [&](const Harness& h, SparseForm cheap, bool masked_fits) {
+    CostEntry e;
+    e.key = CostKey::of(h.be->capabilities().device_name, c, layout);
+    const auto fixed = [](AttentionPath path, SparseForm form, double ms) {
+      CostTerms t;
+      t.names = cost_terms(path, form);
+      for (const auto& n : t.names) t.coef_ms.push_back(n == "1" ? ms : 0.0);
+      return t;
+    };
+    e.dense = fixed(AttentionPath::kDenseMha, SparseForm::kMla, 0.5);
+    e.sparse =
+        fixed(AttentionPath::kSparseMla, SparseForm::kMla, cheap == SparseForm::kMla ? 1.0 : 2.0);
+    if (masked_fits)
+      e.masked = fixed(AttentionPath::kSparseMla, SparseForm::kMaskedMha,
+                       cheap == SparseForm::kMaskedMha ? 1.0 : 2.0);
+    auto p = std::make_shared<CostProfile>();
+    p->put(e);
+    DispatchPolicy pol;
+    pol.mode = DispatchMode::kCost;
+    pol.profile = p;
+    return pol;
+  };
+  const auto stage_names = [](const StepRecord& st) {
+    std::string s;
+    for (const auto& x : st.stages) s += x.stage + " ";
+    return s;
+  };
+  Harness mla(c, GetParam(), layout, 16, len, seed, DispatchMode::kCost);
+  Harness masked(c, GetParam(), layout, 16, len, seed, DispatchMode::kCost);
+  Harness plain(c, GetParam(), layout, 16, len, seed, DispatchMode::kCost);
+  for (Harness* h : {&mla, &masked, &plain}) {
+    use_sparse_layer(*h, SparseRows::kAuto, SparseForm::kAuto);
+    EXPECT_EQ(h->layer->options().sparse_form, SparseForm::kAuto);
+  }
+  mla.layer->set_policy(profile_for(mla, SparseForm::kMla, true));
+  masked.layer->set_policy(profile_for(masked, SparseForm::kMaskedMha, true));
+  plain.layer->set_policy(profile_for(plain, SparseForm::kMaskedMha, false));
+  RunOutputs a, b, d;
+  const std::vector<RunSchedule> steps = {{mla.zeros(), prompt, 0, ForwardMode::kExtend},
+                                          {prompt, len, 1, ForwardMode::kDecode}};
+  for (const RunSchedule& s : steps) {
+    run_schedule(*mla.layer, mla.tables, mla.tokens, s, a);
+    run_schedule(*masked.layer, masked.tables, masked.tokens, s, b);
+    run_schedule(*plain.layer, plain.tables, plain.tokens, s, d);
+  }
+  ASSERT_EQ(b.steps.size(), 3u);  // the prompt, two decode steps
+  const StepRecord& prefill = b.steps[0];
+  EXPECT_EQ(prefill.plan.path, AttentionPath::kSparseMla) << prefill.plan.reason;
+  EXPECT_EQ(prefill.plan.sparse_form, SparseForm::kMaskedMha) << prefill.plan.reason;
+  EXPECT_NEAR(prefill.plan.predicted_masked_ms, 1.0, 1e-9);
+  EXPECT_NEAR(prefill.plan.predicted_sparse_ms, 2.0, 1e-9);
+  EXPECT_TRUE(has_stage(prefill, "topk_to_kv_mask")) << stage_names(prefill);
+  EXPECT_FALSE(has_stage(prefill, "sparse_mla")) << stage_names(prefill);
+  for (size_t i = 1; i < b.steps.size(); ++i) {
+    EXPECT_EQ(b.steps[i].plan.sparse_form, SparseForm::kMla) << b.steps[i].plan.reason;
+    EXPECT_TRUE(has_stage(b.steps[i], "sparse_mla")) << stage_names(b.steps[i]);
+  }
+  for (const RunOutputs* x : {&a, &d}) {
+    EXPECT_EQ(x->steps[0].plan.sparse_form, SparseForm::kMla) << x->steps[0].plan.reason;
+    EXPECT_TRUE(has_stage(x->steps[0], "sparse_mla")) << stage_names(x->steps[0]);
+  }
+  EXPECT_LT(d.steps[0].plan.predicted_masked_ms, 0) << "no masked fits: not priced";
+  EXPECT_EQ(testing::checksum(a.topk), testing::checksum(b.topk)) << "the same selection";
+  const Diff diff = compare(a, b, both(a, b));
+  EXPECT_EQ(diff.rows, 244);
+  EXPECT_LE(diff.o_rel, tol_f32(mla));
+  EXPECT_LE(diff.lse_abs, tol_lse_across_paths(mla));
+  expect_matches_reference(masked, b, len);
+
+  const Batch& batch = prefill.batch;
+  const int64_t auto_bytes = masked.layer->workspace_bytes(batch, AttentionPath::kSparseMla);
+  use_sparse_layer(masked, SparseRows::kAuto, SparseForm::kMla);
+  const int64_t mla_bytes = masked.layer->workspace_bytes(batch, AttentionPath::kSparseMla);
+  use_sparse_layer(masked, SparseRows::kAuto, SparseForm::kMaskedMha);
+  const int64_t masked_bytes = masked.layer->workspace_bytes(batch, AttentionPath::kSparseMla);
+  EXPECT_EQ(auto_bytes, std::max(mla_bytes, masked_bytes));
+  EXPECT_EQ(masked.layer->workspace_bytes(batch, prefill.plan), masked_bytes);
 }
 
 // docs/layer.md#staged-rows: the sparse path reading an FP8 pool through a bf16 copy of the

@@ -285,6 +285,82 @@ TEST(CostProfileFile, FindMatchesDimensionsAndListsWhatItHolds) {
   }
 }
 
+// The masked-MHA form's fit: its own terms from its own samples (the MLA fit untouched by them),
+// none without samples; its samples' stage times stay out of the stage fits (its dense_mha
+// stage is the masked kernel's); fits, samples and forms survive the file, and a form on a
+// dense sample or an "auto" sample is refused.
+TEST(CostFit, TheMaskedFormHasItsOwnFit) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed);
+  testing::Rng rng(seed);
+  const ModelConfig c = ds16();
+  const CostKey key = CostKey::of("test gpu", c, KvLayout::kBf16);
+  std::vector<CostSample> samples;
+  for (int s = 0; s < 24; ++s) {
+    const Batch b = make_batch({int32_t(rng.randint(0, 6000))}, {int32_t(rng.randint(1, 4000))});
+    const CostFeatures f = CostFeatures::of(b, c);
+    samples.push_back(
+        {AttentionPath::kDenseMha, f, 0.05 + 1e-4 * f.positions, {{"dense_mha", 1.0}}});
+    samples.push_back({AttentionPath::kSparseMla, f, 0.1 + 2e-3 * f.tokens, {}});
+    samples.push_back({AttentionPath::kSparseMla,
+                       f,
+                       0.2 + 1e-9 * f.term("C*H"),
+                       {{"dense_mha", 1e6}},
+                       SparseForm::kMaskedMha});
+  }
+  const CostEntry e = fit_cost_entry(key, samples);
+  ASSERT_TRUE(e.prices_masked());
+  EXPECT_EQ(e.masked.names, cost_terms(AttentionPath::kSparseMla, SparseForm::kMaskedMha));
+  EXPECT_LT(e.sparse.max_rel_error, 1e-6);
+  EXPECT_LT(e.masked.max_rel_error, 1e-6);
+  const CostFeatures f = CostFeatures::of(make_batch({0}, {4096}), c);
+  EXPECT_NEAR(e.predict_ms(AttentionPath::kSparseMla, f, SparseForm::kMaskedMha),
+              0.2 + 1e-9 * f.term("C*H"), 1e-6);
+  EXPECT_NEAR(e.predict_ms(AttentionPath::kSparseMla, f), 0.1 + 2e-3 * f.tokens, 1e-6);
+  ASSERT_EQ(e.stages.count("dense_mha"), 1u);
+  EXPECT_NEAR(e.stages.at("dense_mha").predict_ms(f), 1.0, 1e-6) << "masked stages left out";
+
+  std::vector<CostSample> mla_only;
+  for (const auto& smp : samples)
+    if (smp.form == SparseForm::kMla) mla_only.push_back(smp);
+  const CostEntry m = fit_cost_entry(key, mla_only);
+  EXPECT_FALSE(m.prices_masked());
+  EXPECT_DOUBLE_EQ(m.predict_ms(AttentionPath::kSparseMla, f, SparseForm::kMaskedMha),
+                   m.predict_ms(AttentionPath::kSparseMla, f))
+      << "priced as MLA without masked fits";
+  std::vector<CostSample> few = mla_only;
+  few.push_back(samples[2]);  // one masked sample for seven terms
+  EXPECT_THROW(fit_cost_entry(key, few), Error);
+
+  CostProfile p;
+  p.put(e);
+  const std::string text = p.to_json();
+  const CostProfile q = CostProfile::from_json(text, "mem");
+  ASSERT_TRUE(q.entries[0].prices_masked());
+  size_t masked_samples = 0;
+  for (const auto& smp : q.entries[0].samples) masked_samples += smp.form == SparseForm::kMaskedMha;
+  EXPECT_EQ(masked_samples, 24u);
+  for (SparseForm form : {SparseForm::kMla, SparseForm::kMaskedMha})
+    EXPECT_DOUBLE_EQ(q.entries[0].predict_ms(AttentionPath::kSparseMla, f, form),
+                     e.predict_ms(AttentionPath::kSparseMla, f, form));
+  const auto with = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    const size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return at == std::string::npos ? t : t.replace(at, from.size(), to);
+  };
+  EXPECT_THROW(CostProfile::from_json(with("\"path\": \"dense_mha\"",
+                                           "\"path\": \"dense_mha\", \"form\": \"masked-mha\""),
+                                      "f.json"),
+               Error);
+  EXPECT_THROW(
+      CostProfile::from_json(with("\"form\": \"masked-mha\"", "\"form\": \"auto\""), "f.json"),
+      Error);
+  EXPECT_THROW(
+      CostProfile::from_json(with("\"form\": \"masked-mha\"", "\"form\": \"mask\""), "f.json"),
+      Error);
+}
+
 class CostDispatchTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -418,6 +494,89 @@ TEST_F(CostDispatchTest, SplitsAMixedBatchWhenThatIsCheaper) {
   EXPECT_EQ(long_one.path_of(0), AttentionPath::kDenseMha);
   EXPECT_EQ(long_one.path_of(1), AttentionPath::kSparseMla);
   EXPECT_LT(long_one.predicted_dense_ms, 0);  // not exact as a whole
+}
+
+// SparseForm::kAuto: the sparse path's two forms priced and the cheaper plan taken (whole batch
+// or split), named in the reason; MLA where the profile has no masked fits, the backend no masked
+// kernel, the engine state no dense work (decode, graphs) or Σ L_r exceeds the chunk capacity; a
+// fixed form is the plan's.
+TEST_F(CostDispatchTest, AutoFormPricesBothSparseForms) {
+  caps.dense_kv_mask = true;
+  CostEntry e = entry(config, layout);
+  // Masked: 0.2 ms + 3e-3 per new token, against MLA's 0.1 + 4e-3 and dense's 0.05 + 1e-3 per
+  // position.
+  e.masked = terms(AttentionPath::kSparseMla, {});
+  e.masked.names = cost_terms(AttentionPath::kSparseMla, SparseForm::kMaskedMha);
+  e.masked.coef_ms.assign(e.masked.names.size(), 0.0);
+  e.masked.coef_ms[0] = 0.2;   // "1"
+  e.masked.coef_ms[2] = 3e-3;  // "T"
+  const auto prof = profile_of({e});
+  const auto plan_form = [&](const Batch& b, SparseForm form, DispatchPolicy pol) {
+    return plan_batch(b, config, layout, caps, pol, form);
+  };
+  // A fresh 4096-token prompt (beyond index_topk: no dense): masked 12.488 ms < MLA 16.484.
+  const Batch fresh = make_batch({0}, {4096});
+  Plan pl = plan_form(fresh, SparseForm::kAuto, cost_policy(prof));
+  EXPECT_EQ(pl.path, AttentionPath::kSparseMla);
+  EXPECT_EQ(pl.sparse_form, SparseForm::kMaskedMha);
+  EXPECT_NEAR(pl.predicted_masked_ms, 12.488, 1e-9);
+  EXPECT_NEAR(pl.predicted_sparse_ms, 16.484, 1e-9);
+  EXPECT_NEAR(pl.predicted_ms, 12.488, 1e-9);
+  EXPECT_TRUE(contains(pl.reason,
+                       "sparse masked-MHA predicted dense not exact (max L_r = 4096 > "
+                       "2048), sparse 16.48 ms, masked-mha 12.49 ms"))
+      << pl.reason;
+  // 8 new tokens on a 2000-token prefix: MLA 0.132 < masked 0.224.
+  pl = plan_form(make_batch({2000}, {8}), SparseForm::kAuto, cost_policy(prof));
+  EXPECT_EQ(pl.sparse_form, SparseForm::kMla) << pl.reason;
+  EXPECT_TRUE(contains(pl.reason, "sparse MLA predicted")) << pl.reason;
+  // Split: r0 fresh 1000 dense (1.05 < masked 3.2), r1 fresh 4096 masked: 13.538 ms against
+  // 15.488 for the whole batch masked.
+  pl = plan_form(make_batch({0, 0}, {1000, 4096}), SparseForm::kAuto, cost_policy(prof));
+  ASSERT_EQ(pl.path, AttentionPath::kMixed) << pl.reason;
+  EXPECT_EQ(pl.sparse_form, SparseForm::kMaskedMha);
+  EXPECT_TRUE(contains(pl.reason, "split into 2 runs (dense r0, masked-mha r1)")) << pl.reason;
+  EXPECT_NEAR(pl.predicted_ms, 13.538, 1e-9);
+  // Not taken: a fixed MLA form, no masked kernel, no masked fits, decode, over the capacity.
+  pl = plan_form(fresh, SparseForm::kMla, cost_policy(prof));
+  EXPECT_EQ(pl.sparse_form, SparseForm::kMla);
+  EXPECT_LT(pl.predicted_masked_ms, 0);
+  Capabilities no_mask = caps;
+  no_mask.dense_kv_mask = false;
+  EXPECT_EQ(
+      plan_batch(fresh, config, layout, no_mask, cost_policy(prof), SparseForm::kAuto).sparse_form,
+      SparseForm::kMla);
+  EXPECT_EQ(plan_form(fresh, SparseForm::kAuto, cost_policy(profile_of({entry(config, layout)})))
+                .sparse_form,
+            SparseForm::kMla);
+  Batch decode = make_batch({4096}, {1});
+  decode.mode = ForwardMode::kDecode;
+  EXPECT_EQ(plan_form(decode, SparseForm::kAuto, cost_policy(prof)).sparse_form, SparseForm::kMla);
+  DispatchPolicy small = cost_policy(prof);
+  small.chunk_capacity = 4000;
+  pl = plan_form(fresh, SparseForm::kAuto, small);
+  EXPECT_EQ(pl.sparse_form, SparseForm::kMla);
+  EXPECT_LT(pl.predicted_masked_ms, 0);
+  // A fixed masked form: the plan's in every mode (and priced by its fits in cost mode).
+  pl = plan_form(make_batch({2000}, {8}), SparseForm::kMaskedMha, cost_policy(prof));
+  EXPECT_EQ(pl.sparse_form, SparseForm::kMaskedMha);
+  EXPECT_NEAR(pl.predicted_ms, 0.224, 1e-9);
+  EXPECT_LT(pl.predicted_sparse_ms, 0);
+  for (DispatchMode m : {DispatchMode::kRule, DispatchMode::kSparse}) {
+    DispatchPolicy pol;
+    pol.mode = m;
+    pl = plan_form(fresh, SparseForm::kMaskedMha, pol);
+    EXPECT_EQ(pl.sparse_form, SparseForm::kMaskedMha);
+    EXPECT_TRUE(contains(pl.reason, "(sparse form masked-mha)")) << pl.reason;
+    EXPECT_EQ(plan_form(fresh, SparseForm::kAuto, pol).sparse_form, SparseForm::kMla);
+  }
+  try {
+    plan_batch(fresh, config, layout, no_mask, cost_policy(prof), SparseForm::kMaskedMha);
+    ADD_FAILURE() << "masked-mha planned without the masked kernel";
+  } catch (const Error& ex) {
+    EXPECT_EQ(ex.kind(), ErrorKind::kUnsupported);
+    EXPECT_TRUE(contains(ex.what(), "masked-mha")) << ex.what();
+  }
 }
 
 TEST_F(CostDispatchTest, RefusesAProfileForAnotherDeviceOrLayout) {

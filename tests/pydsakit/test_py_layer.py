@@ -316,11 +316,14 @@ def test_sparse_form_masked_mha_equals_mla():
         results[form] = s.layer.forward(batch, s.inputs(130))
     a, b = results["mla"], results["masked-mha"]
     assert a.plan.path == b.plan.path == "sparse_mla"
+    assert (a.plan.sparse_form, b.plan.sparse_form) == ("mla", "masked-mha")
+    assert a.plan.predicted_masked_ms == -1  # forced sparse: nothing priced
     assert "sparse_mla" in dict(a.stages) and "sparse_mla" not in dict(b.stages)
     assert "topk_to_kv_mask" in dict(b.stages) and "dense_mha" in dict(b.stages)
     assert np.array_equal(a.topk, b.topk) and (a.topk[:, -1] >= 0).any()  # a real selection
     oa, ob = a.o.astype(np.float64), b.o.astype(np.float64)
     assert np.linalg.norm(oa - ob) <= 1e-5 * np.linalg.norm(oa)
     assert np.abs(a.lse - b.lse).max() <= 1e-3
-    with pytest.raises(ValueError, match="sparse form: expected 'mla' or 'masked-mha'"):
+    assert dsakit.LayerOptions().sparse_form == "auto"  # cost mode may pick; mla here
+    with pytest.raises(ValueError, match="sparse form: expected 'auto', 'mla' or 'masked-mha'"):
         dsakit.LayerOptions(sparse_form="dense")
