@@ -4,8 +4,9 @@
 #   2. the whole GoogleTest suite against the cuda backend (DSAKIT_TEST_BACKENDS, default cuda),
 #   3. compute-sanitizer memcheck / racecheck / initcheck on the CUDA test binaries,
 #   4. `dsakit run --device cuda --verify` over both presets x three layouts x
-#      {fresh, chunked, prefix-hit, decode}, with --fp8-weights on both FP8 layouts, and with
-#      --sparse-form masked-mha on both presets,
+#      {fresh, chunked, prefix-hit, decode}, with --fp8-weights on both FP8 layouts, with
+#      --sparse-form masked-mha on both presets, and in cost mode with the auto sparse form (a
+#      profile calibrated in the call),
 #   5. the CUDA benchmark and the PyTorch SDPA peer,
 # then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files are read
 # from tests/data/peers (in the tree; DSAKIT_PEERS_DIR overrides).
@@ -162,6 +163,17 @@ if [ "${result[build]}" = PASS ] && want verify; then
     then result[$key]=PASS
     else result[$key]=FAIL; fi
   done
+  # Cost mode choosing the sparse form (`auto`): a profile of this GPU for the TP8 FP8 entry,
+  # then a 4K prompt past the top-k chunked behind a short one; a step whose plan took the
+  # masked form must appear.
+  key="verify:deepseek-v3.2:auto-form:fp8"
+  if timeout 120 build-dev/bin/dsakit calibrate --device cuda --models deepseek-v3.2:8 --kv fp8 \
+       --out "$out/verify-profile.json" --quiet >>"$out/verify.log" 2>&1 &&
+     timeout 120 build-dev/bin/dsakit run --device cuda --kv fp8 --prompts 4096,900 --chunk 2500 \
+       --dispatch cost --profile "$out/verify-profile.json" --verify --verify-tokens 24 --json \
+       >"$out/verify-auto.json" 2>>"$out/verify.log" &&
+     grep -q "masked-MHA" "$out/verify-auto.json"; then result[$key]=PASS
+  else result[$key]=FAIL; fi
 fi
 
 if [ "${result[build]}" = PASS ] && want bench; then
