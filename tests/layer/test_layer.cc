@@ -408,6 +408,19 @@ void use_sparse_rows(Harness& h, ScalePolicy policy, float k_scale, SparseRows r
   use_sparse_layer(h, rows);
 }
 
+// The same schedules run through the MLA form (x into a) and the masked-MHA form (y into b): the
+// same top-k, `rows` rows computed by both within the across-paths bounds, and y's outputs the
+// float64 reference's (its dense arithmetic over the top-k where a step took the masked form).
+void expect_forms_agree(Harness& x, Harness& y, const RunOutputs& a, const RunOutputs& b,
+                        const std::vector<int32_t>& len, int64_t rows) {
+  EXPECT_EQ(testing::checksum(a.topk), testing::checksum(b.topk)) << "the same selection";
+  const Diff d = compare(a, b, both(a, b));
+  EXPECT_EQ(d.rows, rows);
+  EXPECT_LE(d.o_rel, tol_f32(x));
+  EXPECT_LE(d.lse_abs, tol_lse_across_paths(x));
+  expect_matches_reference(y, b, len);
+}
+
 // docs/layer.md#masked-mha: the sparse path's masked-MHA form (the top-k as dense_mha's kv_mask
 // over every context row's up-projected K/V) computes the MLA form's function: over a prefix,
 // chunked prefill and a decode step, the same top-k, outputs within the across-paths bounds and
@@ -434,12 +447,7 @@ TEST_P(LayerTest, MaskedMhaFormEqualsMla) {
       EXPECT_EQ(b.steps[i].plan.path, AttentionPath::kSparseMla) << "step " << i;
     }
     EXPECT_EQ(a.ran, b.ran);
-    EXPECT_EQ(testing::checksum(a.topk), testing::checksum(b.topk)) << "the same selection";
-    const Diff d = compare(a, b, both(a, b));
-    EXPECT_EQ(d.rows, 244);
-    EXPECT_LE(d.o_rel, tol_f32(mla));
-    EXPECT_LE(d.lse_abs, tol_lse_across_paths(mla));
-    expect_matches_reference(masked, b, len);
+    expect_forms_agree(mla, masked, a, b, len, 244);
 
     const Batch& prefill = b.steps[1].batch;
     const int64_t t = prefill.num_new_tokens(), k = c.index_topk;
@@ -537,12 +545,7 @@ TEST_P(LayerTest, AutoSparseFormRunsThePlansForm) {
     EXPECT_TRUE(has_stage(x->steps[0], "sparse_mla")) << stage_names(x->steps[0]);
   }
   EXPECT_LT(d.steps[0].plan.predicted_masked_ms, 0) << "no masked fits: not priced";
-  EXPECT_EQ(testing::checksum(a.topk), testing::checksum(b.topk)) << "the same selection";
-  const Diff diff = compare(a, b, both(a, b));
-  EXPECT_EQ(diff.rows, 244);
-  EXPECT_LE(diff.o_rel, tol_f32(mla));
-  EXPECT_LE(diff.lse_abs, tol_lse_across_paths(mla));
-  expect_matches_reference(masked, b, len);
+  expect_forms_agree(mla, masked, a, b, len, 244);
 
   const Batch& batch = prefill.batch;
   const int64_t auto_bytes = masked.layer->workspace_bytes(batch, AttentionPath::kSparseMla);
