@@ -111,10 +111,30 @@ struct ProgressLine {
   }
 };
 
-// --modes: "dense,sparse,rule,cost" in any order and subset.
-std::vector<DispatchMode> parse_modes(const std::string& text) {
-  return parse_list(text, parse_dispatch_mode,
-                    "--modes: expected a list of dense, sparse, rule, cost");
+// A timed mode: a dispatch mode, on the bench's layers or ("masked") on layers fixed to the
+// masked-MHA form.
+struct BenchMode {
+  std::string name;  // dense | sparse | masked | rule | cost: the rows' key
+  DispatchMode mode;
+  bool masked_form = false;
+};
+const BenchMode kDenseMode{"dense", DispatchMode::kDense},
+    kSparseMode{"sparse", DispatchMode::kSparse},
+    kMaskedMode{"masked", DispatchMode::kSparse, true};
+
+BenchMode parse_bench_mode(const std::string& name) {
+  if (name == "masked") return kMaskedMode;
+  for (DispatchMode m :
+       {DispatchMode::kDense, DispatchMode::kSparse, DispatchMode::kRule, DispatchMode::kCost})
+    if (name == to_string(m)) return {name, m};
+  DSAKIT_FAIL(kInvalidArgument, "--modes: expected dense, sparse, masked, rule or cost, got '",
+              name, "'");
+}
+
+// --modes: "dense,sparse,masked,rule,cost" in any order and subset.
+std::vector<BenchMode> parse_modes(const std::string& text) {
+  return parse_list(text, parse_bench_mode,
+                    "--modes: expected a list of dense, sparse, masked, rule, cost");
 }
 
 // The policy every bench mode starts from: the profile (--profile, else DSAKIT_PROFILE) and the
@@ -130,21 +150,21 @@ DispatchPolicy bench_policy(const std::string& profile) {
 // The modes that may run `shape` (mode_allowed) and their timings on `lb`, prepared for the
 // shape here, each mode's policy `base` with its mode set. Stops early on Ctrl-C (g_stop).
 struct ModeTimings {
-  std::vector<DispatchMode> modes;
+  std::vector<BenchMode> modes;
   std::vector<PolicyTiming> timings;
 };
 
-ModeTimings time_modes(LayerBench& lb, const BenchShape& shape,
-                       const std::vector<DispatchMode>& modes, const DispatchPolicy& base,
-                       const Capabilities& caps, int runs, int min_runs, double budget_ms,
-                       bool stages) {
+ModeTimings time_modes(LayerBench& lb, const BenchShape& shape, const std::vector<BenchMode>& modes,
+                       const DispatchPolicy& base, const Capabilities& caps, int runs, int min_runs,
+                       double budget_ms, bool stages) {
   ModeTimings out;
-  std::vector<DispatchPolicy> policies;
-  for (DispatchMode m : modes) {
-    if (!mode_allowed(m, shape, lb.config(), caps)) continue;
+  std::vector<TimedPolicy> policies;
+  for (const BenchMode& m : modes) {
+    if (!mode_allowed(m.mode, shape, lb.config(), caps)) continue;
+    if (m.masked_form && !lb.has_masked_form()) continue;
     DispatchPolicy p = base;
-    p.mode = m;
-    policies.push_back(p);
+    p.mode = m.mode;
+    policies.push_back({p, m.masked_form});
     out.modes.push_back(m);
   }
   lb.prepare(shape);
@@ -163,7 +183,7 @@ int bench_command(const BenchOptions& o) {
   DSAKIT_CHECK_ARG(o.budget_ms > 0, "--budget-ms: expected > 0, got ", o.budget_ms);
   DSAKIT_CHECK_ARG(o.plot_format == "png" || o.plot_format == "svg",
                    "--plot-format: expected png or svg, got '", o.plot_format, "'");
-  const std::vector<DispatchMode> modes = parse_modes(o.modes);
+  const std::vector<BenchMode> modes = parse_modes(o.modes);
   auto be = open_backend(o.device, o.threads);
   const auto models = parse_model_list(o.models.empty() ? default_models(*be) : o.models);
   const auto layouts = parse_layouts(o.kv);
@@ -203,7 +223,9 @@ int bench_command(const BenchOptions& o) {
                                          std::min(o.min_runs, o.runs), o.budget_ms, o.stages);
         if (g_stop.load()) break;
         ++done;
-        doc["rows"].push_back(bench_row(lb, shape, t.modes, t.timings, ceil.gemm_tflops));
+        std::vector<std::string> names;
+        for (const BenchMode& m : t.modes) names.push_back(m.name);
+        doc["rows"].push_back(bench_row(lb, shape, names, t.timings, ceil.gemm_tflops));
         write_bench_json(json_path, doc);
         progress.clear();
         print_bench_row(doc["rows"].back());
@@ -288,36 +310,22 @@ int calibrate_command(const CalibrateOptions& o) {
                  "calibrate: ", caps.device_name, " has no dense MHA kernel for ", cfg.name,
                  " (d_nope/d_rope/d_v = ", cfg.qk_nope_head_dim, "/", cfg.qk_rope_head_dim, "/",
                  cfg.v_head_dim, "): cost mode has nothing to choose there");
-    // The sparse path is timed in both forms where the backend has the masked kernel: layers
-    // whose option is fixed to each (the masked ones time the sparse mode only).
-    const bool masked = masked_mha_available(caps, cfg);
     for (KvLayout layout : layouts) {
+      // The sparse path in both forms where the backend has the masked kernel (the bench's
+      // layers fixed to MLA, its masked layers to the masked-MHA form), interleaved with dense.
       LayerBench lb(*be, cfg, layout, o.seed, {.sparse_form = SparseForm::kMla});
-      std::unique_ptr<LayerBench> lbm;
-      if (masked)
-        lbm = std::make_unique<LayerBench>(
-            *be, cfg, layout, o.seed, LayerBenchOptions{.sparse_form = SparseForm::kMaskedMha});
       const std::string group =
           fmt::format("{} H={} {}", cfg.name, cfg.num_heads, to_string(layout));
       std::vector<CostSample> samples;
       for (const BenchShape& shape : calibration_shapes(cfg.index_topk, long_prompts)) {
         if (g_stop.load()) break;
         progress(done++, total, "calibrate " + group + " | " + shape.label());
-        const ModeTimings t = time_modes(lb, shape, {DispatchMode::kDense, DispatchMode::kSparse},
+        const ModeTimings t = time_modes(lb, shape, {kDenseMode, kSparseMode, kMaskedMode},
                                          DispatchPolicy{}, caps, o.runs, 3, o.budget_ms, true);
         if (g_stop.load()) break;
         for (const PolicyTiming& pt : t.timings)
-          samples.push_back({pt.plan.path, CostFeatures::of(lb.batch(), cfg), pt.ms, pt.stages});
-        if (!lbm) continue;
-        const ModeTimings tm = time_modes(*lbm, shape, {DispatchMode::kSparse}, DispatchPolicy{},
-                                          caps, o.runs, 3, o.budget_ms, false);
-        if (g_stop.load()) break;
-        for (const PolicyTiming& pt : tm.timings)
-          samples.push_back({pt.plan.path,
-                             CostFeatures::of(lbm->batch(), cfg),
-                             pt.ms,
-                             {},
-                             SparseForm::kMaskedMha});
+          samples.push_back({pt.plan.path, CostFeatures::of(lb.batch(), cfg), pt.ms, pt.stages,
+                             pt.plan.sparse_form});
       }
       if (g_stop.load()) break;
       CostEntry entry = fit_cost_entry(CostKey::of(caps.device_name, cfg, layout), samples);

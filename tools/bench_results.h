@@ -20,10 +20,10 @@ nlohmann::json bench_document(const Backend& backend, const Backend::Ceilings& c
 
 // One shape's row (the shape `bench` has prepared): its group (LayerBench::group), the layers'
 // weights and sparse rows, the shape, each mode's timing with its path, FLOP rate and share of
-// the GEMM ceiling, and the oracle (faster exact whole-batch path measured) with the speed-ups
-// over it.
+// the GEMM ceiling, and the oracle (fastest exact whole-batch path measured: dense, sparse, and
+// the sparse path's masked form where the "masked" mode ran) with the speed-ups over it.
 nlohmann::json bench_row(const LayerBench& bench, const BenchShape& shape,
-                         const std::vector<DispatchMode>& modes,
+                         const std::vector<std::string>& modes,
                          const std::vector<PolicyTiming>& timings, double gemm_tflops);
 
 // Writes the document to `path` atomically; nothing when `path` is empty.

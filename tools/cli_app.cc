@@ -299,8 +299,9 @@ int run_cli(int argc, char** argv) {
   bench->add_flag("--no-mixed", bo.no_mixed, "Leave out the mixed batches");
   bench
       ->add_option("--modes", bo.modes,
-                   "Dispatch modes to time (list of dense, sparse, rule, "
-                   "cost; dense only where it is exact)")
+                   "Dispatch modes to time (list of dense, sparse, masked, rule, cost; dense only "
+                   "where it is exact; masked: the sparse path forced in the masked-MHA form, "
+                   "where the backend has it, and counted in the oracle)")
       ->capture_default_str();
   bench->add_option("--profile", bo.profile,
                     "Cost-mode profile from dsakit calibrate (or DSAKIT_PROFILE); without one, "

@@ -69,7 +69,9 @@ struct LayerBench::State {
     PagedKvPool kv;
     IndexKeyPool ix;
     Tensor q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w;
-    std::unique_ptr<DsaAttention> layer, staged;
+    // The bench's layers, then (has_masked_form()) layers fixed to the masked-MHA form; the
+    // "staged" ones time their stages.
+    std::unique_ptr<DsaAttention> layer, staged, masked, masked_staged;
     LayerInputs view() const { return {q_nope, q_pe, c_kv, k_pe, idx_q, idx_k, idx_w}; }
   };
   BenchShape shape;
@@ -189,13 +191,23 @@ void LayerBench::prepare(const BenchShape& shape) {
     set->layer = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
     o.time_stages = true;
     set->staged = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
+    if (has_masked_form()) {
+      o.sparse_form = SparseForm::kMaskedMha;
+      set->masked_staged = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
+      o.time_stages = false;
+      set->masked = std::make_unique<DsaAttention>(c, be_, set->kv, set->ix, st->w, o);
+    }
     st->sets.push_back(std::move(set));
   }
   be_.synchronize();
   state_ = std::move(st);
 }
 
-std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& policies, int runs,
+bool LayerBench::has_masked_form() const {
+  return masked_mha_available(be_.capabilities(), config_);
+}
+
+std::vector<PolicyTiming> LayerBench::time(const std::vector<TimedPolicy>& policies, int runs,
                                            int min_runs, double budget_ms, bool stages,
                                            const std::atomic<bool>* stop) {
   DSAKIT_CHECK(state_ != nullptr, kInternal, "LayerBench: prepare() a shape first");
@@ -203,6 +215,9 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
   auto& sets = state_->sets;
   const Batch& b = state_->batch;
   const size_t np = policies.size();
+  for (const TimedPolicy& p : policies)
+    DSAKIT_CHECK(!p.masked_form || has_masked_form(), kInternal,
+                 "LayerBench: no masked-MHA layers for ", config_.name, " on this backend");
   std::vector<PolicyTiming> out(np);
   std::vector<std::vector<double>> ms(np), enqueue_ms(np);
   auto stopped = [&] { return stop && stop->load(); };
@@ -213,8 +228,9 @@ std::vector<PolicyTiming> LayerBench::time(const std::vector<DispatchPolicy>& po
   };
   auto call = [&](size_t p, int round, bool staged) {
     auto& set = *sets[size_t(round) % sets.size()];
-    DsaAttention& layer = staged ? *set.staged : *set.layer;
-    layer.set_policy(policies[p]);
+    DsaAttention& layer = policies[p].masked_form ? (staged ? *set.masked_staged : *set.masked)
+                                                  : (staged ? *set.staged : *set.layer);
+    layer.set_policy(policies[p].policy);
     LayerResult res;
     double enqueue = 0;
     const double elapsed = be_.time_ms([&] {

@@ -47,6 +47,13 @@ struct PolicyTiming {
 double layer_flops(const ModelConfig& config, AttentionPath path, const CostFeatures& f);
 double plan_flops(const ModelConfig& config, const Batch& batch, const Plan& plan);
 
+// A policy to time and the layers it runs on: the bench's (LayerBenchOptions::sparse_form), or,
+// with masked_form, layers fixed to the masked-MHA form (LayerBench::has_masked_form()).
+struct TimedPolicy {
+  DispatchPolicy policy;
+  bool masked_form = false;
+};
+
 // What the timed layers are given beyond the shape.
 struct LayerBenchOptions {
   // The layers also take kv_b_proj in its FP8 checkpoint form (LayerOptions::kv_b_proj_fp8,
@@ -75,6 +82,10 @@ class LayerBench {
   // where the sparse form is fixed (not auto).
   std::string group() const;
 
+  // Whether prepared shapes also have layers fixed to the masked-MHA form (TimedPolicy::
+  // masked_form): the backend has the masked dense kernel for the config.
+  bool has_masked_form() const;
+
   // Allocates pools and random inputs for `shape` (up to 3 rotated sets while one set stays
   // under 1 GiB, else 1) and stores the cached prefixes. Replaces the previous shape.
   void prepare(const BenchShape& shape);
@@ -84,8 +95,8 @@ class LayerBench {
   // row (the first, after a switch of path, is dropped) until `runs` timed calls each or
   // `budget_ms` of wall time is spent (at least `min_runs`), then (if `stages`) a few calls
   // with per-stage timing. Stops early, with what it has, when *stop becomes true.
-  std::vector<PolicyTiming> time(const std::vector<DispatchPolicy>& policies, int runs,
-                                 int min_runs, double budget_ms, bool stages,
+  std::vector<PolicyTiming> time(const std::vector<TimedPolicy>& policies, int runs, int min_runs,
+                                 double budget_ms, bool stages,
                                  const std::atomic<bool>* stop = nullptr);
 
  private:

@@ -123,6 +123,28 @@ def test_bench_sparse_form(run, tmp_path):
     assert p.returncode == 2 and "sparse form" in p.stderr, p.stderr
 
 
+def test_bench_masked_mode(run, tmp_path):
+    """--modes with masked: the sparse path forced in the masked-MHA form beside the bench's own
+    layers (auto: MLA when forced sparse), in the same rows; the oracle counts it."""
+    out = tmp_path / "modes.json"
+    p = run("bench", "--device", "cpu", "--threads", "2", "--models", "deepseek-v3.2:8", "--kv",
+            "bf16", "--grid", "quick", "--fresh", "128", "--prefixes", "384", "--extends", "1",
+            "--no-mixed", "--modes", "dense,sparse,masked", *FAST, "--quiet", "--json", out)
+    assert p.returncode == 0, p.stderr
+    assert "masked ms" in p.stdout
+    doc = load(out)
+    assert len(doc["rows"]) == 2, doc
+    for r in doc["rows"]:
+        m = r["modes"]
+        assert r["group"] == "deepseek-v3.2 H=16 bf16" and r["sparse_form"] == "auto"
+        assert m["sparse"]["sparse_form"] == "mla" and "sparse_mla" in m["sparse"]["stages"]
+        assert m["masked"]["path"] == "sparse_mla" and m["masked"]["sparse_form"] == "masked-mha"
+        assert "topk_to_kv_mask" in m["masked"]["stages"], m["masked"]["stages"]
+        assert r["oracle_ms"] == min(m[k]["ms"] for k in ("dense", "sparse", "masked"))
+    p = run("bench", "--device", "cpu", "--modes", "sparse,mask")
+    assert p.returncode == 2 and "dense, sparse, masked, rule or cost" in p.stderr, p.stderr
+
+
 def test_calibrated_profile_drives_cost_mode(run, profile, tmp_path):
     doc = load(profile)
     assert doc["format"] == "dsakit-cost-profile"
@@ -222,7 +244,7 @@ def test_ctrl_c_leaves_valid_partial_json(dsakit, tmp_path):
     (["--models", "deepseek-v3.2:x"], "--models"),
     (["--models", ","], "--models"),
     (["--runs", "0"], "--runs"),
-    (["--modes", "fast"], "dispatch mode"),
+    (["--modes", "fast"], "--modes: expected dense, sparse, masked"),
     (["--fresh", "0"], "--fresh"),
     (["--plot-format", "gif"], "--plot-format"),
     (["--device", "tpu"], "--device"),
