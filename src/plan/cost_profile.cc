@@ -175,7 +175,7 @@ CostProfile CostProfile::from_json(const std::string& text, const std::string& s
         if (js.contains("form")) {
           smp.form = parse_sparse_form(js.at("form").get<std::string>());
           DSAKIT_CHECK_ARG(smp.path == AttentionPath::kSparseMla && smp.form != SparseForm::kAuto,
-                           "sample form: a sparse_mla sample's 'mla' or 'masked-mha'");
+                           "sample form: expected 'mla' or 'masked-mha' on a sparse_mla sample");
         }
         CostFeatures& f = smp.features;
         f.requests = js.at("R").get<double>();
