@@ -65,6 +65,8 @@ enum class SparseForm : uint8_t {
   kAuto,       // (an option, never a plan's form) cost mode picks the form per batch where its
                // profile prices both and the backend has the masked kernel; kMla otherwise
 };
+// cost_model.h defaults its SparseForm parameters to SparseForm{}: the MLA form.
+static_assert(SparseForm{} == SparseForm::kMla);
 const char* to_string(SparseForm form);              // "mla" | "masked-mha" | "auto"
 SparseForm parse_sparse_form(const std::string& s);  // throws naming the accepted names
 
