@@ -65,7 +65,8 @@ struct LayerOptions {
   // CPU: wall time) into LayerResult::stages.
   bool time_stages = false;
   // Upper bound on workspace_bytes() of one forward call; 0: no limit. A call over the limit
-  // throws Error(kResource) before anything is stored or computed.
+  // throws Error(kResource) before anything is stored or computed. Under sparse_form kAuto a
+  // plan whose masked-MHA form would exceed it takes the MLA form instead.
   int64_t max_workspace_bytes = 0;
   // kv_b_proj as the FP8 checkpoint holds it (optional; on the backend's device; the same weights
   // as the bf16 kv_b_proj, which the sparse path and bf16 pools still use). With an fp8 or

@@ -112,8 +112,19 @@ void check_layer_inputs(const ModelConfig& c, Device dev, const LayerInputs& in,
 
 Plan DsaAttention::plan(const Batch& batch) const {
   batch.validate(kv_pool_.desc().page_size, kv_pool_.desc().num_pages);
-  return plan_batch(batch, config_, kv_pool_.layout(), backend_.capabilities(),
-                    options_.policy.with_env(), options_.sparse_form);
+  const DispatchPolicy policy = options_.policy.with_env();
+  Plan plan = plan_batch(batch, config_, kv_pool_.layout(), backend_.capabilities(), policy,
+                         options_.sparse_form);
+  // kAuto never trades a call that fits max_workspace_bytes for one that does not: the masked
+  // form holds every position's K/V, MLA only the selected rows.
+  if (options_.sparse_form == SparseForm::kAuto && plan.sparse_form == SparseForm::kMaskedMha &&
+      options_.max_workspace_bytes > 0 &&
+      workspace_bytes(batch, plan) > options_.max_workspace_bytes) {
+    plan = plan_batch(batch, config_, kv_pool_.layout(), backend_.capabilities(), policy,
+                      SparseForm::kMla);
+    plan.reason += " (masked-mha form over max_workspace_bytes)";
+  }
+  return plan;
 }
 
 int64_t DsaAttention::workspace_bytes(const Batch& batch, AttentionPath path) const {

@@ -547,6 +547,23 @@ TEST_P(LayerTest, AutoSparseFormRunsThePlansForm) {
   EXPECT_LT(d.steps[0].plan.predicted_masked_ms, 0) << "no masked fits: not priced";
   expect_forms_agree(mla, masked, a, b, len, 244);
 
+  // kAuto keeps MLA where the masked form's workspace (every position's K/V) would exceed
+  // max_workspace_bytes: two new tokens a request over the prompt's prefix.
+  Batch tail = prefill.batch;
+  tail.prefix_lens = {148, 88};
+  tail.extend_lens = {2, 2};
+  const Plan free_plan = masked.layer->plan(tail);
+  ASSERT_EQ(free_plan.sparse_form, SparseForm::kMaskedMha) << free_plan.reason;
+  LayerOptions capped_options = masked.layer->options();
+  capped_options.max_workspace_bytes = masked.layer->workspace_bytes(tail, free_plan) - 1;
+  const DsaAttention capped(c, *masked.be, masked.kv, masked.ix, masked.w, capped_options);
+  const Plan capped_plan = capped.plan(tail);
+  EXPECT_EQ(capped_plan.sparse_form, SparseForm::kMla) << capped_plan.reason;
+  EXPECT_NE(capped_plan.reason.find("(masked-mha form over max_workspace_bytes)"),
+            std::string::npos)
+      << capped_plan.reason;
+  EXPECT_LE(capped.workspace_bytes(tail, capped_plan), capped_options.max_workspace_bytes);
+
   const Batch& batch = prefill.batch;
   const int64_t auto_bytes = masked.layer->workspace_bytes(batch, AttentionPath::kSparseMla);
   use_sparse_layer(masked, SparseRows::kAuto, SparseForm::kMla);
