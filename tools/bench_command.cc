@@ -312,10 +312,10 @@ int calibrate_command(const CalibrateOptions& o) {
                  cfg.v_head_dim, "): cost mode has nothing to choose there");
     for (KvLayout layout : layouts) {
       // The sparse path in both forms where the backend has the masked kernel (the bench's
-      // layers fixed to MLA, its masked layers to the masked-MHA form), interleaved with dense.
-      LayerBench lb(*be, cfg, layout, o.seed, {.sparse_form = SparseForm::kMla});
-      const std::string group =
-          fmt::format("{} H={} {}", cfg.name, cfg.num_heads, to_string(layout));
+      // layers, whose auto form is MLA when sparse is forced, and its masked-MHA layers),
+      // interleaved with dense.
+      LayerBench lb(*be, cfg, layout, o.seed);
+      const std::string group = lb.group();
       std::vector<CostSample> samples;
       for (const BenchShape& shape : calibration_shapes(cfg.index_topk, long_prompts)) {
         if (g_stop.load()) break;

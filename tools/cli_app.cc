@@ -6,12 +6,12 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "dsakit/backend.h"
 #include "dsakit/error.h"
 #include "dsakit/plan.h"
+#include "src/layer/paths.h"
 #include "tools/bench_command.h"
 #include "tools/cli_common.h"
 #include "tools/dcp_command.h"
@@ -79,14 +79,7 @@ int plan_command(const PlanOptions& o) {
   if (!o.profile.empty()) policy = policy.with_profile(o.profile);
   if (!o.device_name.empty()) caps.device_name = o.device_name;
   // The form as a layer would take it: DSAKIT_SPARSE_FORM overrides the flag.
-  SparseForm form = parse_sparse_form(o.sparse_form);
-  if (const char* v = std::getenv("DSAKIT_SPARSE_FORM"); v && *v) {
-    try {
-      form = parse_sparse_form(v);
-    } catch (const Error& e) {
-      DSAKIT_FAIL(kInvalidArgument, "DSAKIT_SPARSE_FORM: ", e.what());
-    }
-  }
+  const SparseForm form = detail::sparse_form_from_env(parse_sparse_form(o.sparse_form));
   const Plan plan = plan_batch(batch, cfg, parse_kv_layout(o.kv), caps, policy.with_env(), form);
   if (o.json) {
     nlohmann::json j = {{"path", to_string(plan.path)},

@@ -1,7 +1,6 @@
 #include "src/layer/paths.h"
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 
 #include "dsakit/cost_model.h"
@@ -183,14 +182,19 @@ PagedKvPool stage_rows(Backend& be, const PagedKvPool& pool, const TensorView& k
   return rows;
 }
 
-SparseForm resolve_sparse_form(const Backend& be, const ModelConfig& c, SparseForm option) {
+SparseForm sparse_form_from_env(SparseForm option) {
   if (const char* v = std::getenv("DSAKIT_SPARSE_FORM"); v && *v) {
     try {
-      option = parse_sparse_form(v);
+      return parse_sparse_form(v);
     } catch (const Error& e) {
       DSAKIT_FAIL(kInvalidArgument, "DSAKIT_SPARSE_FORM: ", e.what());
     }
   }
+  return option;
+}
+
+SparseForm resolve_sparse_form(const Backend& be, const ModelConfig& c, SparseForm option) {
+  option = sparse_form_from_env(option);
   const Capabilities& caps = be.capabilities();
   if (option == SparseForm::kAuto && !masked_mha_available(caps, c)) return SparseForm::kMla;
   DSAKIT_CHECK(option != SparseForm::kMaskedMha || masked_mha_available(caps, c), kUnsupported,

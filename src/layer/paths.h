@@ -100,10 +100,11 @@ SparseRows resolve_sparse_rows(const PagedKvPool& pool, SparseRows option);
 PagedKvPool stage_rows(Backend& be, const PagedKvPool& pool, const TensorView& kv_locs,
                        const StageFn& stage);
 
-// LayerOptions::sparse_form as the layer runs it (DSAKIT_SPARSE_FORM overrides it; a bad value
-// is an error naming the variable): kAuto becomes kMla on a backend without the masked dense
-// kernel for the config's head dims (masked_mha_available), where kMaskedMha is
-// Error(kUnsupported). Layers call it when made.
+// `option`, or DSAKIT_SPARSE_FORM where it is set (a bad value is an error naming the variable).
+SparseForm sparse_form_from_env(SparseForm option);
+// LayerOptions::sparse_form as the layer runs it (sparse_form_from_env): kAuto becomes kMla on a
+// backend without the masked dense kernel for the config's head dims (masked_mha_available), where
+// kMaskedMha is Error(kUnsupported). Layers call it when made.
 SparseForm resolve_sparse_form(const Backend& be, const ModelConfig& c, SparseForm option);
 // Words per row of the masked-MHA form's kv_mask over requests of at most max_kv_len positions
 // (at least one).

@@ -212,12 +212,6 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
     plan.predicted_masked_ms = cost(AttentionPath::kSparseMla, SparseForm::kMaskedMha, 0, n);
   std::string& why = plan.reason;
   auto out = std::back_inserter(why);
-  const auto print_predictions = [&] {
-    if (plan.predicted_sparse_ms >= 0)
-      fmt::format_to(out, ", sparse {}", fmt_ms(plan.predicted_sparse_ms));
-    if (plan.predicted_masked_ms >= 0)
-      fmt::format_to(out, ", masked-mha {}", fmt_ms(plan.predicted_masked_ms));
-  };
   if (state.rule != 0) {
     plan.rule = state.rule;
     plan.path = AttentionPath::kSparseMla;
@@ -320,7 +314,10 @@ Plan plan_by_cost(const Batch& b, const ModelConfig& c, KvLayout layout, const C
       fmt::format_to(out, " (sum L_r = {} > chunk capacity {})", b.total_kv_len(),
                      policy.chunk_capacity);
   }
-  print_predictions();
+  if (plan.predicted_sparse_ms >= 0)
+    fmt::format_to(out, ", sparse {}", fmt_ms(plan.predicted_sparse_ms));
+  if (plan.predicted_masked_ms >= 0)
+    fmt::format_to(out, ", masked-mha {}", fmt_ms(plan.predicted_masked_ms));
   fmt::format_to(out, "; profile {} {} H={} {}", entry.key.device, entry.key.model, entry.key.heads,
                  entry.key.layout);
   return plan;

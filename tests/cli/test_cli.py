@@ -315,6 +315,9 @@ def test_env_override_echoed(run, dsakit):
     env = dict(os.environ, DSAKIT_DENSE_KV_LEN_THRESHOLD="lots")
     p = subprocess.run([str(dsakit), "plan", "--prompts", "100"], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "DSAKIT_DENSE_KV_LEN_THRESHOLD" in p.stderr
+    env = dict(os.environ, DSAKIT_SPARSE_FORM="masked")  # plan reads it as a layer would
+    p = subprocess.run([str(dsakit), "plan", "--prompts", "100"], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "DSAKIT_SPARSE_FORM" in p.stderr, p.stderr
 
 
 def test_info(run):

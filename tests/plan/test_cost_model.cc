@@ -42,9 +42,10 @@ Batch make_batch(std::vector<int32_t> prefix, std::vector<int32_t> extend) {
   return b;
 }
 
-CostTerms terms(AttentionPath path, const std::map<std::string, double>& coef) {
+CostTerms terms(AttentionPath path, const std::map<std::string, double>& coef,
+                SparseForm form = SparseForm::kMla) {
   CostTerms t;
-  t.names = cost_terms(path);
+  t.names = cost_terms(path, form);
   for (const auto& n : t.names) t.coef_ms.push_back(coef.count(n) ? coef.at(n) : 0.0);
   return t;
 }
@@ -505,11 +506,7 @@ TEST_F(CostDispatchTest, AutoFormPricesBothSparseForms) {
   CostEntry e = entry(config, layout);
   // Masked: 0.2 ms + 3e-3 per new token, against MLA's 0.1 + 4e-3 and dense's 0.05 + 1e-3 per
   // position.
-  e.masked = terms(AttentionPath::kSparseMla, {});
-  e.masked.names = cost_terms(AttentionPath::kSparseMla, SparseForm::kMaskedMha);
-  e.masked.coef_ms.assign(e.masked.names.size(), 0.0);
-  e.masked.coef_ms[0] = 0.2;   // "1"
-  e.masked.coef_ms[2] = 3e-3;  // "T"
+  e.masked = terms(AttentionPath::kSparseMla, {{"1", 0.2}, {"T", 3e-3}}, SparseForm::kMaskedMha);
   const auto prof = profile_of({e});
   const auto plan_form = [&](const Batch& b, SparseForm form, DispatchPolicy pol) {
     return plan_batch(b, config, layout, caps, pol, form);
