@@ -448,11 +448,15 @@ using cuda::dense_mha::DenseTile;
 using cuda::dense_mha::DenseTileShape;
 
 // Every (request row, kv block the row sees) is covered by exactly one tile, every tile's rows
-// lie in one request, parts and slots are consistent, and tiles go heaviest first.
+// lie in one request, parts and slots are consistent, tiles go heaviest first, and the merge
+// segments cover exactly the split tiles' rows (q * heads + h), each over its tile's runs.
 void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& cu_q,
-                            const std::vector<int32_t>& cu_kv,
+                            const std::vector<int32_t>& cu_kv, int64_t heads,
                             DenseTileShape shape = cuda::dense_mha::kDenseSm80Shape) {
+  using cuda::dense_mha::kDenseWholeTile;
   const int b = int(cu_q.size()) - 1;
+  // Runs per query row: 0 = written whole, else the split tile's run count.
+  std::vector<int> runs_of_row(size_t(cu_q.back()), -1);
   // covered[row][block] counts over all tiles.
   std::vector<std::vector<int>> covered(size_t(cu_q.back()));
   for (int r = 0; r < b; ++r)
@@ -464,9 +468,23 @@ void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& 
     const DenseTile& t = s.tiles[k];
     ASSERT_GE(t.q_len, 1);
     ASSERT_LE(t.q_len, shape.block_m);
-    ASSERT_GE(t.part, 0);
-    ASSERT_LT(t.part, s.parts);
-    ASSERT_LE(t.block_begin, t.block_end);
+    if (s.parts == 1) {
+      ASSERT_EQ(t.part, 0);
+    } else if (t.part != kDenseWholeTile) {
+      ASSERT_GE(t.part, 0);
+      ASSERT_LT(t.part, s.parts);
+    }
+    ASSERT_LT(t.block_begin, t.block_end) << "every tile has work";
+    int runs = 0;  // tiles over these rows
+    for (const DenseTile& u : s.tiles) runs += u.q_begin == t.q_begin ? 1 : 0;
+    if (t.part == kDenseWholeTile || s.parts == 1) {
+      ASSERT_EQ(runs, 1);
+    } else {
+      ASSERT_GE(runs, 2) << "a split tile has two runs or more";
+      ASSERT_LT(t.part, runs);
+    }
+    for (int32_t i = 0; i < t.q_len; ++i)
+      runs_of_row[size_t(t.q_begin + i)] = t.part == kDenseWholeTile || s.parts == 1 ? 0 : runs;
     if (k > 0) {
       EXPECT_GE(s.tiles[k - 1].block_end - s.tiles[k - 1].block_begin, t.block_end - t.block_begin);
     }
@@ -480,6 +498,27 @@ void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& 
   for (size_t i = 0; i < covered.size(); ++i)
     for (size_t blk = 0; blk < covered[i].size(); ++blk)
       ASSERT_EQ(covered[i][blk], 1) << "row " << i << " block " << blk;
+  // The merge: the segments' rows, in launch order, are exactly the split rows (row-major).
+  std::vector<int> merged_runs(size_t(cu_q.back() * heads), 0);
+  ASSERT_LE(s.merge_segments.size(), size_t(cuda::kMergeMaxSegments));
+  for (size_t k = 0; k < s.merge_segments.size(); ++k) {
+    const auto& g = s.merge_segments[k];
+    const int32_t end =
+        k + 1 < s.merge_segments.size() ? s.merge_segments[k + 1].merged_begin : s.merged_rows;
+    ASSERT_LT(g.merged_begin, end);
+    ASSERT_GE(g.parts, 2);
+    ASSERT_LE(g.parts, s.parts);
+    for (int64_t r = g.row_begin; r < g.row_begin + (end - g.merged_begin); ++r) {
+      ASSERT_LT(r, int64_t(merged_runs.size()));
+      ASSERT_EQ(merged_runs[size_t(r)], 0) << "row " << r << " merged twice";
+      merged_runs[size_t(r)] = g.parts;
+    }
+  }
+  if (s.parts == 1) {
+    EXPECT_TRUE(s.merge_segments.empty());
+  }
+  for (size_t r = 0; r < merged_runs.size(); ++r)
+    ASSERT_EQ(merged_runs[r], runs_of_row[r / size_t(heads)]) << "row " << r;
 }
 
 // Partial rows of DeepSeek-V3.2's d_v = 128 (f32 o + lse) and its bf16 K/V row per head: the
@@ -509,6 +548,7 @@ TEST(DenseMhaSchedule, SplitsOnlyLongTilesOnGridsThatLeaveSmsIdle) {
       // block (64 x 8 = 512 CTAs) are too many, runs of 2 give 32 x 8 = 256.
       {"2 x (P=1984 E=64), 8 heads", 1984, 64, 8, 16, 2},
   };
+  // kDenseSm80Shape's 64 x 64 tiles: blocks of 64 kv rows, CTAs 2 per SM on 132 SMs.
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     const bool two = std::string(c.what).rfind("2 x", 0) == 0;
@@ -528,8 +568,22 @@ TEST(DenseMhaSchedule, SplitsOnlyLongTilesOnGridsThatLeaveSmsIdle) {
       for (const auto& t : s.tiles)
         longest_run = std::max(longest_run, t.block_end - t.block_begin);
     EXPECT_EQ(longest_run, c.blocks_per_split);
-    expect_schedule_covers(s, cu_q, cu_kv);
+    expect_schedule_covers(s, cu_q, cu_kv, c.heads);
   }
+  // A batch of long and short tiles, the wgmma kernel's shape (128 x 128, one CTA per SM): the
+  // two extends over ~2K-row prefixes (16 blocks) are cut in two runs of 8, the fresh 512-token
+  // request's 4 tiles (1-4 blocks) stay whole: 2 x 2 + 4 = 8 tiles x 16 heads = 128 CTAs, and
+  // the merge covers the extends' rows only, two segments with the whole tiles' rows between.
+  const std::vector<int32_t> cu_q{0, 64, 576, 676}, cu_kv{0, 2048, 2560, 4560};
+  const DenseTileShape wgmma = cuda::dense_mha::dense_sm90_shape(128);
+  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 3, 16, 132,
+                                               kPartialRowBytes, 4560 * 16 * kKvRowBytes, wgmma);
+  EXPECT_EQ(s.parts, 2);
+  EXPECT_EQ(s.tiles.size(), size_t(8));
+  ASSERT_EQ(s.merge_segments.size(), size_t(2));
+  EXPECT_EQ(s.merge_segments[1].row_begin, 576 * 16);
+  EXPECT_EQ(s.merged_rows, (64 + 100) * 16);
+  expect_schedule_covers(s, {cu_q.begin(), cu_q.end()}, {cu_kv.begin(), cu_kv.end()}, 16, wgmma);
 }
 
 TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
@@ -555,13 +609,11 @@ TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
                    << "block_m " << shape.block_m << " block_n " << shape.block_n);
       const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms,
                                                    kPartialRowBytes, budget, shape);
-      expect_schedule_covers(s, cu_q, cu_kv, shape);
+      expect_schedule_covers(s, cu_q, cu_kv, heads, shape);
       if (s.parts > 1) {
         EXPECT_LE(s.parts * int64_t(cu_q.back()) * heads * kPartialRowBytes, budget);
-        // The split keeps the CTAs with work within the kernel's occupancy.
-        int64_t working = 0;
-        for (const DenseTile& t : s.tiles) working += t.block_end > t.block_begin ? 1 : 0;
-        EXPECT_LE(working * heads, int64_t(shape.ctas_per_sm) * sms);
+        // The split keeps the CTAs within the kernel's occupancy.
+        EXPECT_LE(int64_t(s.tiles.size()) * heads, int64_t(shape.ctas_per_sm) * sms);
       }
     }
     if (HasFatalFailure()) return;
@@ -807,6 +859,9 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   cases.push_back({192, 256, 4, {{300, 60}, {700, 33}}, 0.2});
   cases.push_back({128, 128, 40, {{2000, 48}}, 0.05});
   cases.push_back({192, 256, 40, {{2000, 48}}, 0.05});
+  // Split-KV with whole tiles between the split ones (the wgmma kernel splits the two extends'
+  // tiles only; the merge covers their rows in two segments).
+  cases.push_back({128, 128, 16, {{1984, 64}, {0, 512}, {1900, 100}}});
   constexpr int kDr = 64;
   for (const DenseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {

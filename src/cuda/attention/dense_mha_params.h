@@ -25,8 +25,11 @@ inline constexpr DenseTileShape kDenseSm80Shape{kDenseBlockM, kDenseBlockN, 2};
 // One unit of work, built on the host from cu_q / cu_kv: query rows of one request against the
 // kv blocks [block_begin, block_end) of that request. Query row q_begin + i (0 <= i < q_len <=
 // block_m) sees kv rows kv_begin + [0, first_query_pos + i]; blocks past its last visible row
-// are not read. Without split-KV a tile covers every block its rows see (part 0); with it, a
-// row's blocks are spread over several tiles, each writing partial slot `part`.
+// are not read. Without split-KV a tile covers every block its rows see (part 0); with it, the
+// long tiles' blocks are spread over several tiles, each writing partial slot `part`, and a tile
+// left whole (kDenseWholeTile) writes o and lse as without a split.
+inline constexpr int32_t kDenseWholeTile = -1;
+
 struct DenseTile {
   int32_t q_begin;          // first query row (global, into q / o)
   int32_t q_len;            // query rows in the tile, 1..block_m
@@ -34,7 +37,7 @@ struct DenseTile {
   int32_t first_query_pos;  // position of row q_begin in its request: L_r - E_r + i0
   int32_t block_begin;      // first kv block (block_n rows each) of this tile
   int32_t block_end;        // one past the last; may exceed the blocks the rows see
-  int32_t part;             // partial slot when split (o_parts != null), else 0
+  int32_t part;             // partial slot of a split tile, else 0 (kDenseWholeTile in a split)
   int32_t unused = 0;
 };
 
@@ -50,11 +53,12 @@ struct DenseMhaParams {
   const bf16_t* v;       // [N, H, d_v],    rows v_row_stride apart, heads v_head_stride
   int64_t k_row_stride, k_head_stride;  // elements: H * d_nope, d_nope when contiguous
   int64_t v_row_stride, v_head_stride;  // elements: H * d_v, d_v when contiguous
-  bf16_t* o;                            // [T, H, d_v]           (o_parts == null)
-  float* lse;                           // [T, H] natural log    (o_parts == null)
-  // Split-KV: each tile writes its rows' attention over its blocks, normalized, to slot `part`
-  // (merge_partials combines the slots by lse); a row that sees no key there writes only
-  // lse = +inf (its o slot is left unwritten: the merge does not read it).
+  bf16_t* o;                            // [T, H, d_v]   (whole tiles)
+  float* lse;                           // [T, H] natural log (whole tiles)
+  // Split-KV: each split tile writes its rows' attention over its blocks, normalized, to slot
+  // `part` (merge_partials combines the slots by lse); a row that sees no key there writes only
+  // lse = +inf (its o slot is left unwritten: the merge does not read it). Whole tiles
+  // (part kDenseWholeTile) write o and lse.
   float* o_parts;          // [num_parts, T, H, d_v] or null
   float* lse_parts;        // [num_parts, T, H]
   int64_t rows;            // T * H: the slot stride of lse_parts (and of o_parts, x d_v)

@@ -6,12 +6,18 @@
 #include <vector>
 
 #include "src/cuda/attention/dense_mha_params.h"
+#include "src/cuda/attention/merge_kernels.h"
 
 namespace dsakit::cuda::dense_mha {
 
 struct DenseSchedule {
   std::vector<DenseTile> tiles;  // heaviest (most kv blocks) first; ties in batch order
-  int parts = 1;  // > 1: split-KV; tiles write partial slots 0..parts-1, merged afterwards
+  // > 1: split-KV. A split tile's runs write partial slots 0..runs-1 (runs <= parts), merged
+  // afterwards over merge_segments (rows q * H + h of the split tiles, merged_rows in all);
+  // whole tiles (part kDenseWholeTile) write o and lse.
+  int parts = 1;
+  std::vector<MergeSegment> merge_segments;
+  int32_t merged_rows = 0;
 };
 
 // A split pays only when it shortens a long tile (docs/perf.md): a tile over fewer kv rows than
@@ -22,13 +28,13 @@ inline constexpr int32_t kDenseMinSplitRows = 1024;
 // `num_heads` heads on a device with `sm_count` SMs. Without a split every tile covers all of its
 // rows' kv blocks. When tiles x heads < sm_count (a short extend over a long prefix with few
 // heads per rank) and the longest tile covers >= kDenseMinSplitRows kv rows, that tile would set
-// the kernel's time on a mostly idle GPU: each tile's blocks are cut into runs of one length (a
-// tile's last run may be shorter), the smallest that keeps the CTAs with work within
-// shape.ctas_per_sm per SM (the kernel's occupancy) and the partial slots (parts x T x H rows of
-// partial_row_bytes) within max_partial_bytes; every tile gets `parts` slots (a run past a
-// tile's blocks is empty: its rows write "no key", lse +inf). No run length meeting both: no
-// split.
-// Invariant: for every tile, its parts' block ranges are disjoint and cover [0, blocks).
+// the kernel's time on a mostly idle GPU: the blocks of every tile longer than one run are cut
+// into runs of one length (a tile's last run may be shorter), the smallest that keeps the CTAs
+// within shape.ctas_per_sm per SM (the kernel's occupancy) and the partial slots (parts x T x H
+// rows of partial_row_bytes) within max_partial_bytes; the other tiles stay whole and need no
+// merge. No run length meeting both, or more than kMergeMaxSegments merge segments: no split.
+// Invariant: for every tile, its runs' block ranges are disjoint, non-empty and cover
+// [0, blocks).
 DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, int num_requests,
                                    int64_t num_heads, int sm_count, int64_t partial_row_bytes,
                                    int64_t max_partial_bytes,

@@ -6,11 +6,13 @@
 // in runs of four, d = 4 (lane + 32 i), by 16-byte (f32) / 8-byte (bf16) loads and stores when
 // every row starts 4-value aligned (kVec4), else values d = lane + 32 i. Each value sums its parts
 // in the order w = 0, 1, …: fixed summation order, the same arithmetic on both paths.
-// Parts are f32 or bf16 (read as the f32 of the same value).
+// Parts are f32 or bf16 (read as the f32 of the same value). With segments (dense split-KV, only
+// the long tiles split) a warp's row is found by a binary search of the segments' merged_begin.
 #include <cmath>
 
 #include "src/cuda/attention/merge_kernels.h"
 #include "src/cuda/common/device_utils.cuh"
+#include "src/cuda/common/hopper.cuh"
 
 namespace dsakit::cuda {
 namespace {
@@ -23,10 +25,11 @@ struct RowWeights {
   bool weighted;  // o = Σ_w exp(lse_w − lse) · o_w; else o = 0 (or NaN)
 };
 
-__device__ __forceinline__ RowWeights row_weights(const MergePartialsParams& p, int64_t row) {
+__device__ __forceinline__ RowWeights row_weights(const MergePartialsParams& p, int64_t row,
+                                                  int parts) {
   float m = -INFINITY;
   bool any_valid = false, any_nan = false;
-  for (int w = 0; w < p.parts; ++w) {
+  for (int w = 0; w < parts; ++w) {
     const float l = p.lse_parts[w * p.rows + row];
     if (l == INFINITY) continue;
     any_valid = true;
@@ -42,7 +45,7 @@ __device__ __forceinline__ RowWeights row_weights(const MergePartialsParams& p, 
     r.lse = -INFINITY;
   } else {
     float sum = 0.0f;
-    for (int w = 0; w < p.parts; ++w) {
+    for (int w = 0; w < parts; ++w) {
       const float l = p.lse_parts[w * p.rows + row];
       if (l != INFINITY) sum += expf(l - m);
     }
@@ -76,20 +79,47 @@ __device__ __forceinline__ void store4(const MergePartialsParams& p, int64_t out
   }
 }
 
+// The row (of o / lse) the launch's index `i` merges and its slots; false past the last row.
+__device__ __forceinline__ bool merged_row(const MergePartialsParams& p, int64_t i, int64_t& row,
+                                           int& parts) {
+  if (p.num_segments == 0) {
+    row = i, parts = p.parts;
+    return i < p.rows;
+  }
+  if (i >= p.merged_rows) return false;
+  int lo = 0, hi = p.num_segments - 1;  // the last segment with merged_begin <= i
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.segments[mid].merged_begin <= i) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  row = p.segments[lo].row_begin + (i - p.segments[lo].merged_begin);
+  parts = p.segments[lo].parts;
+  return true;
+}
+
 template <typename PartT, bool kVec4>
-__global__ void __launch_bounds__(kThreads) merge_partials_kernel(const MergePartialsParams p) {
+__global__ void __launch_bounds__(kThreads)
+    merge_partials_kernel(const __grid_constant__ MergePartialsParams p) {
+  // A programmatic launch may start before the kernel writing the parts ends: wait for it (a
+  // no-op otherwise).
+  sm90::wait_prior_grid();
   const PartT* o_parts = static_cast<const PartT*>(p.o_parts);
   const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * kRowsPerCta + threadIdx.x / 32;
-  if (row >= p.rows) return;
-  const RowWeights rw = row_weights(p, row);
+  int64_t row = 0;
+  int parts = 0;
+  if (!merged_row(p, int64_t(blockIdx.x) * kRowsPerCta + threadIdx.x / 32, row, parts)) return;
+  const RowWeights rw = row_weights(p, row, parts);
   constexpr int kRun = kVec4 ? 4 : 1;  // values per lane per step
   for (int e = kRun * lane; e < p.d; e += 32 * kRun) {
     float acc[kRun];
 #pragma unroll
     for (int j = 0; j < kRun; ++j) acc[j] = rw.nan_row ? NAN : 0.0f;
     if (rw.weighted) {
-      for (int w = 0; w < p.parts; ++w) {
+      for (int w = 0; w < parts; ++w) {
         const float l = p.lse_parts[w * p.rows + row];
         if (l == INFINITY) continue;
         const float weight = expf(l - rw.lse);
@@ -122,21 +152,29 @@ bool aligned(const void* ptr, uintptr_t bytes) {
 
 template <typename PartT>
 cudaError_t launch(const MergePartialsParams& p, cudaStream_t stream) {
-  const unsigned ctas = unsigned((p.rows + kRowsPerCta - 1) / kRowsPerCta);
+  const int64_t rows = p.num_segments == 0 ? p.rows : p.merged_rows;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned((rows + kRowsPerCta - 1) / kRowsPerCta));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = p.programmatic ? 1 : 0;
   const bool vec4 =
       p.d % 4 == 0 && aligned(p.o_parts, 4 * sizeof(PartT)) && aligned(p.o, p.o_f32 ? 16 : 8);
-  if (vec4)
-    merge_partials_kernel<PartT, true><<<ctas, kThreads, 0, stream>>>(p);
-  else
-    merge_partials_kernel<PartT, false><<<ctas, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return vec4 ? cudaLaunchKernelEx(&config, merge_partials_kernel<PartT, true>, p)
+              : cudaLaunchKernelEx(&config, merge_partials_kernel<PartT, false>, p);
 }
 
 }  // namespace
 
 cudaError_t launch_merge_partials(const MergePartialsParams& p, cudaStream_t stream) {
-  if (p.rows == 0) return cudaSuccess;
-  if (p.rows > INT32_MAX || p.parts < 1 || p.d < 0) return cudaErrorInvalidValue;
+  if (p.rows == 0 || (p.num_segments > 0 && p.merged_rows == 0)) return cudaSuccess;
+  if (p.rows > INT32_MAX || p.parts < 1 || p.d < 0 || p.num_segments < 0 ||
+      p.num_segments > kMergeMaxSegments || p.merged_rows < 0)
+    return cudaErrorInvalidValue;
   return p.o_parts_bf16 ? launch<bf16_t>(p, stream) : launch<float>(p, stream);
 }
 

@@ -8,6 +8,18 @@
 
 namespace dsakit::cuda {
 
+// Rows of one split-KV segment: rows [row_begin, row_begin + n) of o / lse and of every slot,
+// merged over slots 0 .. parts-1, where n runs to the next segment's merged_begin (the last
+// segment's to merged_rows).
+struct MergeSegment {
+  int64_t row_begin;
+  int32_t merged_begin;  // rows of the segments before this one: the launch's index of row_begin
+  int32_t parts;         // 1 .. MergePartialsParams::parts
+};
+
+// Segments one launch carries in its parameters.
+inline constexpr int kMergeMaxSegments = 128;
+
 struct MergePartialsParams {
   const void* o_parts;     // [parts, rows, d], rows = T * H; bf16 if o_parts_bf16 else f32
   const float* lse_parts;  // [parts, rows] natural log; +inf = the part saw no valid key
@@ -18,6 +30,14 @@ struct MergePartialsParams {
   int parts;
   int d;
   bool o_parts_bf16;  // bf16 parts are widened exactly: they merge as f32 parts of those values
+  // 0: every row over all `parts` slots. Else only the rows of segments[0 .. num_segments) are
+  // merged (the others are neither read nor written), merged_rows of them in all.
+  int num_segments = 0;
+  int32_t merged_rows = 0;
+  // Launched as a programmatic dependent of the kernel before it in the stream (which writes
+  // the parts): its blocks may start before that kernel ends and wait for its memory.
+  bool programmatic = false;
+  MergeSegment segments[kMergeMaxSegments] = {};
 };
 
 cudaError_t launch_merge_partials(const MergePartialsParams& p, cudaStream_t stream);

@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(DenseMhaTraits<kDimNope, kDimRope, kDimV>::kTh
     const int64_t out_row = (q_row0 + row) * H + h;
     const int64_t out_col = int64_t(v_slice) * kDimV + 2 * q;
     const bool writes_lse = q == 0 && v_slice == 0;
-    if (p.o_parts == nullptr) {
+    if (p.o_parts == nullptr || tile.part == kDenseWholeTile) {
       bf16_t* out = p.o + out_row * p.d_v_total + out_col;
 #pragma unroll
       for (int j = 0; j < Tr::kVTiles; ++j)

@@ -216,6 +216,8 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
       sm90::mbarrier_init(bar(Tr::kBarVStaged, s), 1);
     }
     sm90::fence_barrier_init();
+    // A split's merge (merge_partials, launched programmatically) waits for this grid's end.
+    sm90::launch_dependents();
   }
   __syncthreads();
 
@@ -532,7 +534,7 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
     const float inv = no_key ? 0.f : 1.f / sum;
     const float lse = no_key ? INFINITY : (m[r] + log2f(sum)) * kLn2;
     const int64_t out_row = (int64_t(tile.q_begin) + row) * H + h;
-    if (p.o_parts == nullptr) {
+    if (p.o_parts == nullptr || tile.part == kDenseWholeTile) {
       bf16_t* out = p.o + out_row * kDimV + 2 * q;
 #pragma unroll
       for (int j = 0; j < kDimV / 8; ++j)
