@@ -516,9 +516,28 @@ void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& 
   }
   if (s.parts == 1) {
     EXPECT_TRUE(s.merge_segments.empty());
+    return;
   }
   for (size_t r = 0; r < merged_runs.size(); ++r)
     ASSERT_EQ(merged_runs[r], runs_of_row[r / size_t(heads)]) << "row " << r;
+  // The merge launch's rows as the kernel finds them: each split row once, with its run count,
+  // in row order within a segment; nothing past merged_rows.
+  cuda::MergePartialsParams p{};
+  p.rows = cu_q.back() * heads;
+  cuda::dense_mha::set_merge_rows(s, p);
+  std::vector<int> seen(merged_runs.size(), 0);
+  for (int64_t i = 0; i < p.merged_rows; ++i) {
+    int64_t row = -1;
+    int parts = 0;
+    ASSERT_TRUE(cuda::merged_row(p, i, row, parts));
+    ASSERT_TRUE(row >= 0 && row < int64_t(seen.size()));
+    ASSERT_EQ(parts, merged_runs[size_t(row)]) << "row " << row;
+    ++seen[size_t(row)];
+  }
+  int64_t row = 0;
+  int parts = 0;
+  EXPECT_FALSE(cuda::merged_row(p, p.merged_rows, row, parts));
+  for (size_t r = 0; r < seen.size(); ++r) ASSERT_EQ(seen[r], merged_runs[r] > 0 ? 1 : 0);
 }
 
 // Partial rows of DeepSeek-V3.2's d_v = 128 (f32 o + lse) and its bf16 K/V row per head: the

@@ -276,9 +276,7 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   if (status == cudaSuccess && schedule.parts > 1) {
     cuda::MergePartialsParams merge{params.o_parts, params.lse_parts, a.o.data, params.lse, false,
                                     params.rows,    schedule.parts,   d_v,      false};
-    merge.num_segments = int(schedule.merge_segments.size());
-    merge.merged_rows = schedule.merged_rows;
-    std::copy(schedule.merge_segments.begin(), schedule.merge_segments.end(), merge.segments);
+    cuda::dense_mha::set_merge_rows(schedule, merge);
     merge.programmatic = true;  // its blocks wait for the attention kernel's writes
     status = cuda::launch_merge_partials(merge, stream);
   }

@@ -40,6 +40,14 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
                                    int64_t max_partial_bytes,
                                    DenseTileShape shape = kDenseSm80Shape);
 
+// The merge of a split schedule (s.parts > 1): its segments and row count into p.
+inline void set_merge_rows(const DenseSchedule& s, MergePartialsParams& p) {
+  p.parts = s.parts;
+  p.num_segments = int(s.merge_segments.size());
+  p.merged_rows = s.merged_rows;
+  for (size_t i = 0; i < s.merge_segments.size(); ++i) p.segments[i] = s.merge_segments[i];
+}
+
 // The K / V bytes the wgmma kernel's CTAs in flight together should read: a third of the 50 MB
 // L2 of Hopper's H100 / H200, leaving the rest to Q, the outputs and the k_pe rows.
 inline constexpr int64_t kDenseHeadGroupBytes = int64_t(16) << 20;

@@ -79,28 +79,6 @@ __device__ __forceinline__ void store4(const MergePartialsParams& p, int64_t out
   }
 }
 
-// The row (of o / lse) the launch's index `i` merges and its slots; false past the last row.
-__device__ __forceinline__ bool merged_row(const MergePartialsParams& p, int64_t i, int64_t& row,
-                                           int& parts) {
-  if (p.num_segments == 0) {
-    row = i, parts = p.parts;
-    return i < p.rows;
-  }
-  if (i >= p.merged_rows) return false;
-  int lo = 0, hi = p.num_segments - 1;  // the last segment with merged_begin <= i
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.segments[mid].merged_begin <= i) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  row = p.segments[lo].row_begin + (i - p.segments[lo].merged_begin);
-  parts = p.segments[lo].parts;
-  return true;
-}
-
 template <typename PartT, bool kVec4>
 __global__ void __launch_bounds__(kThreads)
     merge_partials_kernel(const __grid_constant__ MergePartialsParams p) {

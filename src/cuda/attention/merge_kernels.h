@@ -40,6 +40,29 @@ struct MergePartialsParams {
   MergeSegment segments[kMergeMaxSegments] = {};
 };
 
+// The row (of o / lse) that the launch's index i merges and its slot count; false past the
+// last merged row. With segments: a binary search for the last one with merged_begin <= i.
+__host__ __device__ inline bool merged_row(const MergePartialsParams& p, int64_t i, int64_t& row,
+                                           int& parts) {
+  if (p.num_segments == 0) {
+    row = i, parts = p.parts;
+    return i < p.rows;
+  }
+  if (i >= p.merged_rows) return false;
+  int lo = 0, hi = p.num_segments - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.segments[mid].merged_begin <= i) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  row = p.segments[lo].row_begin + (i - p.segments[lo].merged_begin);
+  parts = p.segments[lo].parts;
+  return true;
+}
+
 cudaError_t launch_merge_partials(const MergePartialsParams& p, cudaStream_t stream);
 
 }  // namespace dsakit::cuda
