@@ -90,6 +90,7 @@ std::vector<BenchShape> calibration_shapes(int index_topk, bool long_prompts) {
   if (long_prompts) {
     s.push_back({"fresh", {0}, {2 * k}});
     s.push_back({"fresh", {0}, {4 * k}});
+    s.push_back({"fresh", {0}, {8 * k}});
   }
   return s;
 }

@@ -29,8 +29,9 @@ struct BenchGrid {
 // their overrides; throws Error(kInvalidArgument) for an empty grid or a shape over 2^20 tokens.
 std::vector<BenchShape> bench_shapes(const BenchOptions& options, Device device);
 
-// The calibration grid for a model with this index_topk; `long_prompts` adds fresh prompts of 2 and
-// 4 index_topk (where the masked-MHA form competes with MLA; seconds per call on a CPU).
+// The calibration grid for a model with this index_topk; `long_prompts` adds fresh prompts of 2, 4
+// and 8 index_topk (the masked-MHA form against MLA on both sides of their crossover; seconds per
+// call on a CPU).
 std::vector<BenchShape> calibration_shapes(int index_topk, bool long_prompts);
 
 // Whether `mode` may run this shape (forced dense only where it is exact and compiled).
