@@ -735,8 +735,7 @@ void CudaBackend::dense_mha(const DenseMhaArgs& args) {
       },
       attention_kernel("DSAKIT_DENSE_MHA_KERNEL", options_.dense_mha_kernel),
       dense_head_group(options_.dense_head_group),
-      env_switch("DSAKIT_DENSE_SPLIT_BLOCKS", options_.dense_split_blocks),
-      env_switch("DSAKIT_DENSE_MERGE_PDL", options_.dense_merge_pdl));
+      env_switch("DSAKIT_DENSE_SPLIT_BLOCKS", options_.dense_split_blocks));
 }
 
 void CudaBackend::merge_partials(const TensorView& o_parts, const TensorView& lse_parts,

@@ -71,9 +71,6 @@ struct CudaBackendOptions {
   // The wgmma dense kernel's tiles of <= 64 rows split their kv blocks between its two consumer
   // groups (else the first takes them all); DSAKIT_DENSE_SPLIT_BLOCKS (0 | 1) overrides it.
   bool dense_split_blocks = true;
-  // A dense split-KV's merge is launched as a programmatic dependent of the wgmma kernel
-  // (docs/kernels.md, Split-KV); DSAKIT_DENSE_MERGE_PDL (0 | 1) overrides it.
-  bool dense_merge_pdl = true;
   // Threads per row of the top-k kernel: 0 chooses by row width (topk_threads_for), else 256,
   // 512 or 1024 (the benchmark and the tests run each).
   int topk_threads = 0;

@@ -155,7 +155,7 @@ AttentionKernel dense_mha_kernel_for(const DenseMhaArgs& a) {
 
 void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
                     const std::function<void*(size_t)>& scratch, AttentionKernel kernel,
-                    int head_group, bool split_short_tiles, bool merge_pdl) {
+                    int head_group, bool split_short_tiles) {
   constexpr const char* kOp = "cuda dense_mha";
   using namespace cuda::dense_mha;
   require_bf16(a.q_nope, kOp, "q_nope");
@@ -243,7 +243,6 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   params.v_slices = v_slices;
   params.d_v_total = d_v;
   params.split_short_tiles = split_short_tiles ? 1 : 0;
-  params.launch_dependents = merge_pdl && schedule.parts > 1 ? 1 : 0;
   if (a.kv_mask.ndim != 0) {  // [T, W] i32 rows, contiguous (validated)
     params.kv_mask = static_cast<const uint32_t*>(a.kv_mask.data);
     params.kv_mask_words = a.kv_mask.shape[1];
@@ -278,7 +277,6 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
     cuda::MergePartialsParams merge{params.o_parts, params.lse_parts, a.o.data, params.lse, false,
                                     params.rows,    schedule.parts,   d_v,      false};
     cuda::dense_mha::set_merge_rows(schedule, merge);
-    merge.programmatic = merge_pdl;  // its blocks wait for the attention kernel's writes
     status = cuda::launch_merge_partials(merge, stream);
   }
   check_cuda(status, "cuda dense_mha launch");

@@ -54,12 +54,11 @@ AttentionKernel dense_mha_kernel_for(const DenseMhaArgs& args);
 // sets the wgmma kernel's grid order (heads per group, capped at H; the output is the same bits
 // for every value), 0 chooses it by the K / V bytes (dense_head_group). `split_short_tiles`: the
 // wgmma kernel's tiles of <= 64 rows split their kv blocks between its two consumer groups
-// (docs/kernels.md); off, the first group takes them all. `merge_pdl`: a split's merge is
-// launched as a programmatic dependent of the wgmma kernel, which signals at its start.
+// (docs/kernels.md); off, the first group takes them all.
 void cuda_dense_mha(const DenseMhaArgs& args, int sm_count, cudaStream_t stream,
                     const std::function<void*(size_t)>& scratch,
                     AttentionKernel kernel = AttentionKernel::kAuto, int head_group = 0,
-                    bool split_short_tiles = true, bool merge_pdl = true);
+                    bool split_short_tiles = true);
 // Upper bound of the bytes cuda_dense_mha takes from `scratch` for these shapes.
 int64_t cuda_dense_mha_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope, int d_v,
                                      int sm_count);

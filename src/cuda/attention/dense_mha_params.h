@@ -78,8 +78,6 @@ struct DenseMhaParams {
   // consumer groups (1), or leaves them to the first (0); the same output either way, within
   // the summation order.
   int split_short_tiles;
-  // The wgmma kernel signals programmatic dependents (the split's merge) at its start (1).
-  int launch_dependents;
   // Optional per-(query, key) bits (DenseMhaArgs::kv_mask; the wgmma kernel only, else null):
   // query row t sees position p of its request (p within its causal range) only where bit
   // p % 32 of kv_mask[t * kv_mask_words + p / 32] is set; kv_mask_words * 32 >= every request's

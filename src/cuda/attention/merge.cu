@@ -12,7 +12,6 @@
 
 #include "src/cuda/attention/merge_kernels.h"
 #include "src/cuda/common/device_utils.cuh"
-#include "src/cuda/common/hopper.cuh"
 
 namespace dsakit::cuda {
 namespace {
@@ -82,9 +81,6 @@ __device__ __forceinline__ void store4(const MergePartialsParams& p, int64_t out
 template <typename PartT, bool kVec4>
 __global__ void __launch_bounds__(kThreads)
     merge_partials_kernel(const __grid_constant__ MergePartialsParams p) {
-  // A programmatic launch may start before the kernel writing the parts ends: wait for it (a
-  // no-op otherwise).
-  sm90::wait_prior_grid();
   const PartT* o_parts = static_cast<const PartT*>(p.o_parts);
   const int lane = threadIdx.x % 32;
   int64_t row = 0;
@@ -131,19 +127,14 @@ bool aligned(const void* ptr, uintptr_t bytes) {
 template <typename PartT>
 cudaError_t launch(const MergePartialsParams& p, cudaStream_t stream) {
   const int64_t rows = p.num_segments == 0 ? p.rows : p.merged_rows;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned((rows + kRowsPerCta - 1) / kRowsPerCta));
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = p.programmatic ? 1 : 0;
+  const unsigned ctas = unsigned((rows + kRowsPerCta - 1) / kRowsPerCta);
   const bool vec4 =
       p.d % 4 == 0 && aligned(p.o_parts, 4 * sizeof(PartT)) && aligned(p.o, p.o_f32 ? 16 : 8);
-  return vec4 ? cudaLaunchKernelEx(&config, merge_partials_kernel<PartT, true>, p)
-              : cudaLaunchKernelEx(&config, merge_partials_kernel<PartT, false>, p);
+  if (vec4)
+    merge_partials_kernel<PartT, true><<<ctas, kThreads, 0, stream>>>(p);
+  else
+    merge_partials_kernel<PartT, false><<<ctas, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace

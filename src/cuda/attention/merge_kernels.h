@@ -34,9 +34,6 @@ struct MergePartialsParams {
   // merged (the others are neither read nor written), merged_rows of them in all.
   int num_segments = 0;
   int32_t merged_rows = 0;
-  // Launched as a programmatic dependent of the kernel before it in the stream (which writes
-  // the parts): its blocks may start before that kernel ends and wait for its memory.
-  bool programmatic = false;
   MergeSegment segments[kMergeMaxSegments] = {};
 };
 

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks of the Hopper-native kernels (src/cuda/sm90/): mbarriers,
-// named barriers, register reallocation, programmatic dependent launch, the async-proxy fence,
-// cp.async completion on an mbarrier, TMA tile loads, stmatrix, and warpgroup MMA (wgmma, bf16, f16
-// and e4m3) with shared-memory matrix descriptors.
+// named barriers, register reallocation, the async-proxy fence, cp.async completion on an
+// mbarrier, TMA tile loads, stmatrix, and warpgroup MMA (wgmma, bf16, f16 and e4m3) with
+// shared-memory matrix descriptors.
 //
 // wgmma conventions (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
 //  * one warpgroup (4 consecutive warps, the first a multiple of 4) issues each instruction;
@@ -169,16 +169,6 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }
 // Orders this thread's generic-proxy shared-memory writes (st.shared, stmatrix) before later
 // async-proxy reads (wgmma operands): each writer fences, then synchronizes with the reader.
-// Programmatic dependent launch: the kernel launched after this one with programmatic stream
-// serialization may start once every CTA of this grid has issued launch_dependents (or exited);
-// it calls wait_prior_grid before reading this grid's writes (a no-op when not launched so).
-__device__ __forceinline__ void launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-__device__ __forceinline__ void wait_prior_grid() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

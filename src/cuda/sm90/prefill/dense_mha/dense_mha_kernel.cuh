@@ -216,8 +216,6 @@ __global__ void __launch_bounds__(DenseSm90Traits<kDimNope, kDimRope, kDimV>::kT
       sm90::mbarrier_init(bar(Tr::kBarVStaged, s), 1);
     }
     sm90::fence_barrier_init();
-    // A split's merge (merge_partials, launched programmatically) waits for this grid's end.
-    if (p.launch_dependents != 0) sm90::launch_dependents();
   }
   __syncthreads();
 
