@@ -829,7 +829,7 @@ int main(int argc, char** argv) {
       // FLOPs (issue 15's comparison): T with T (T + 1) / 2 nearest the batch's visible pairs.
       // The third: short extends over prefixes only (chunked prefill's last chunks), tiles of
       // <= 64 rows.
-      for (const ModelConfig& m : {ds, ds.with_tp(8)})
+      for (const ModelConfig& m : {ds, ds.with_tp(4), ds.with_tp(8)})
         for (const Batch& b : {Batch{{0, 1500}, {0, 700}}, Batch{{1984, 64}, {0, 512}, {1900, 100}},
                                Batch{{1984, 64}, {1000, 40}}}) {
           double pairs = 0;

@@ -448,7 +448,7 @@ using cuda::dense_mha::DenseTile;
 using cuda::dense_mha::DenseTileShape;
 
 // Every (request row, kv block the row sees) is covered by exactly one tile, every tile's rows
-// lie in one request, parts and slots are consistent, tiles go heaviest first, and the merge
+// lie in one request, parts and slots are consistent, tiles go costliest first, and the merge
 // segments cover exactly the split tiles' rows (q * heads + h), each over its tile's runs.
 void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& cu_q,
                             const std::vector<int32_t>& cu_kv, int64_t heads,
@@ -486,7 +486,9 @@ void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& 
     for (int32_t i = 0; i < t.q_len; ++i)
       runs_of_row[size_t(t.q_begin + i)] = t.part == kDenseWholeTile || s.parts == 1 ? 0 : runs;
     if (k > 0) {
-      EXPECT_GE(s.tiles[k - 1].block_end - s.tiles[k - 1].block_begin, t.block_end - t.block_begin);
+      const DenseTile& u = s.tiles[k - 1];
+      EXPECT_GE(cuda::dense_mha::dense_run_cost(u, u.block_begin, u.block_end, shape),
+                cuda::dense_mha::dense_run_cost(t, t.block_begin, t.block_end, shape));
     }
     for (int32_t i = 0; i < t.q_len; ++i) {
       auto& row = covered[size_t(t.q_begin + i)];
@@ -544,7 +546,61 @@ void expect_schedule_covers(const DenseSchedule& s, const std::vector<int32_t>& 
 // budget cuda_dense_mha gives the schedule is the K/V buffers' size.
 constexpr int64_t kPartialRowBytes = 4 * (128 + 1), kKvRowBytes = 2 * (128 + 128);
 
-TEST(DenseMhaSchedule, SplitsOnlyLongTilesOnGridsThatLeaveSmsIdle) {
+// The cost model's estimate of a schedule (docs/kernels.md, split-KV): its CTAs' longest-first
+// list schedule over the kernel's CTA slots, plus the merge when it splits.
+int64_t estimated_time(const DenseSchedule& s, int64_t heads, int sms, DenseTileShape shape) {
+  using namespace cuda::dense_mha;
+  std::vector<std::pair<int64_t, int64_t>> ctas;
+  for (const DenseTile& t : s.tiles)
+    ctas.emplace_back(kDenseCtaCost + dense_run_cost(t, t.block_begin, t.block_end, shape), heads);
+  return dense_makespan(ctas, int64_t(shape.ctas_per_sm) * sms) +
+         (s.parts > 1 ? kDenseMergeCost : 0);
+}
+
+TEST(DenseMhaSchedule, RunCostCountsEachRowGroupsVisibleBlocks) {
+  using cuda::dense_mha::dense_run_cost;
+  const DenseTileShape wgmma = cuda::dense_mha::dense_sm90_shape(128);  // blocks of 128 rows
+  // 100 rows at positions 1900..1999: rows 0-63 see 16 blocks (last position 1963), rows 64-99
+  // see 16 (1999).
+  const DenseTile extend{0, 100, 0, 1900, 0, 16, 0};
+  EXPECT_EQ(dense_run_cost(extend, 0, 16, wgmma), 32);
+  EXPECT_EQ(dense_run_cost(extend, 8, 16, wgmma), 16);
+  EXPECT_EQ(dense_run_cost(extend, 0, 20, wgmma), 32) << "blocks past the rows cost nothing";
+  // A fresh prompt's tile 1 (rows 128-255): rows 128-191 see 2 blocks, rows 192-255 see 2.
+  EXPECT_EQ(dense_run_cost({128, 128, 0, 128, 0, 2, 0}, 0, 2, wgmma), 4);
+  // 64-row blocks (mma.sync): rows 128-191 see 3, rows 192-255 see 4.
+  EXPECT_EQ(dense_run_cost({128, 128, 0, 128, 0, 4, 0}, 0, 4, cuda::dense_mha::kDenseSm80Shape), 7);
+  // Rows 0-63 of a tile at position 0, 128-row blocks: one block each group.
+  EXPECT_EQ(dense_run_cost({0, 128, 0, 0, 0, 1, 0}, 0, 1, wgmma), 2);
+}
+
+TEST(DenseMhaSchedule, MakespanIsTheLongestFirstListSchedule) {
+  using cuda::dense_mha::dense_makespan;
+  // 5 4 3 3 3 on 2 slots: {5, 3, 3} and {4, 3}... longest first gives 5|4, 5|7, 8|7, 8|10.
+  EXPECT_EQ(dense_makespan({{3, 3}, {5, 1}, {4, 1}}, 2), 10);
+  EXPECT_EQ(dense_makespan({{2, 5}}, 2), 6);  // rounds of 2 and one more
+  EXPECT_EQ(dense_makespan({{7, 3}}, 8), 7);  // fewer CTAs than slots
+  EXPECT_EQ(dense_makespan({}, 4), 0);
+  // Random lists against one CTA at a time to the least loaded slot.
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  Rng rng(seed);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int64_t slots = rng.randint(1, 40);
+    std::vector<std::pair<int64_t, int64_t>> groups;
+    std::vector<int64_t> ctas;
+    for (int g = int(rng.randint(0, 12)); g > 0; --g) {
+      groups.emplace_back(rng.randint(0, 30), rng.randint(1, 50));
+      ctas.insert(ctas.end(), size_t(groups.back().second), groups.back().first);
+    }
+    std::sort(ctas.rbegin(), ctas.rend());
+    std::vector<int64_t> load(size_t(slots), 0);
+    for (const int64_t c : ctas) *std::min_element(load.begin(), load.end()) += c;
+    ASSERT_EQ(dense_makespan(groups, slots), *std::max_element(load.begin(), load.end()));
+  }
+}
+
+TEST(DenseMhaSchedule, SplitsLongTilesWhereTheCostModelGains) {
   struct Case {
     const char* what;
     int32_t prefix, extend;
@@ -558,16 +614,18 @@ TEST(DenseMhaSchedule, SplitsOnlyLongTilesOnGridsThatLeaveSmsIdle) {
       {"T=256, 16 heads", 0, 256, 16, 1, 0},
       // 4 tiles x 128 heads fill the SMs already.
       {"T=256, 128 heads", 0, 256, 128, 1, 0},
-      // One tile over 32 blocks, 16 heads: runs of 2 blocks -> 16 parts x 16 heads = 256 CTAs.
+      // One tile over 32 blocks, 16 heads: runs of 2 blocks -> 16 parts x 16 heads = 256 CTAs,
+      // one wave of 2 x 132 slots.
       {"P=1984 E=64, 16 heads", 1984, 64, 16, 16, 2},
-      // 16 tiles of 1..16 blocks, one head: runs of one block would fill the SMs, but 16 slots
-      // of partials would outgrow the K/V buffers of a fresh prompt (N = T): no split.
+      // 16 tiles of 1..16 blocks, one head: a split would pay, but 2 slots of partials outgrow
+      // the K/V buffers of a fresh prompt (N = T): no split.
       {"T=1024, 1 head", 0, 1024, 1, 1, 0},
-      // Two requests of 64 new tokens over 1984 cached, 8 heads: 2 tiles x 8 heads; runs of one
-      // block (64 x 8 = 512 CTAs) are too many, runs of 2 give 32 x 8 = 256.
+      // Two requests of 64 new tokens over 1984 cached, 8 heads: 2 tiles x 8 heads; runs of 2
+      // blocks give 32 x 8 = 256 CTAs.
       {"2 x (P=1984 E=64), 8 heads", 1984, 64, 8, 16, 2},
   };
   // kDenseSm80Shape's 64 x 64 tiles: blocks of 64 kv rows, CTAs 2 per SM on 132 SMs.
+  const DenseTileShape sm80 = cuda::dense_mha::kDenseSm80Shape;
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     const bool two = std::string(c.what).rfind("2 x", 0) == 0;
@@ -577,9 +635,9 @@ TEST(DenseMhaSchedule, SplitsOnlyLongTilesOnGridsThatLeaveSmsIdle) {
       cu_kv.push_back(2 * (c.prefix + c.extend));
     }
     const int b = two ? 2 : 1;
+    const int64_t budget = int64_t(cu_kv.back()) * c.heads * kKvRowBytes;
     const DenseSchedule s =
-        build_dense_schedule(cu_q.data(), cu_kv.data(), b, c.heads, 132, kPartialRowBytes,
-                             int64_t(cu_kv.back()) * c.heads * kKvRowBytes);
+        build_dense_schedule(cu_q.data(), cu_kv.data(), b, c.heads, 132, kPartialRowBytes, budget);
     EXPECT_EQ(s.parts, c.parts);
     // The split's run length: the longest tile's first run has it.
     int32_t longest_run = 0;
@@ -588,21 +646,43 @@ TEST(DenseMhaSchedule, SplitsOnlyLongTilesOnGridsThatLeaveSmsIdle) {
         longest_run = std::max(longest_run, t.block_end - t.block_begin);
     EXPECT_EQ(longest_run, c.blocks_per_split);
     expect_schedule_covers(s, cu_q, cu_kv, c.heads);
+    // A split is taken only where the model estimates it faster than the whole tiles.
+    const DenseSchedule whole =
+        build_dense_schedule(cu_q.data(), cu_kv.data(), b, c.heads, 132, kPartialRowBytes, 0);
+    ASSERT_EQ(whole.parts, 1);
+    if (s.parts > 1) {
+      EXPECT_LT(estimated_time(s, c.heads, 132, sm80), estimated_time(whole, c.heads, 132, sm80));
+    }
   }
-  // A batch of long and short tiles, the wgmma kernel's shape (128 x 128, one CTA per SM): the
-  // two extends over ~2K-row prefixes (16 blocks) are cut in two runs of 8, the fresh 512-token
-  // request's 4 tiles (1-4 blocks) stay whole: 2 x 2 + 4 = 8 tiles x 16 heads = 128 CTAs, and
-  // the merge covers the extends' rows only, two segments with the whole tiles' rows between.
+  // A batch of long and short tiles, the wgmma kernel's shape (128 x 128, one CTA per SM), 16
+  // heads: the extend of 64 over 1984 (16 blocks of one row group: 16 units) and of 100 over
+  // 1900 (16 blocks of two: 32 units) set the whole schedule's time (34 of 8 x 16 = 128 CTAs).
+  // Cut into 2 and 3 runs (8 + 8 and 6 + 6 + 4 blocks; 10-14 units each) the heaviest wave
+  // ends first and the fresh 512-token request's 4 tiles (1-4 blocks, staying whole) fill the
+  // 12 CTAs past one wave: 9 tiles x 16 heads; the merge covers the extends' rows only, two
+  // segments (2 and 3 runs) with the whole tiles' rows between.
   const std::vector<int32_t> cu_q{0, 64, 576, 676}, cu_kv{0, 2048, 2560, 4560};
   const DenseTileShape wgmma = cuda::dense_mha::dense_sm90_shape(128);
   const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 3, 16, 132,
                                                kPartialRowBytes, 4560 * 16 * kKvRowBytes, wgmma);
-  EXPECT_EQ(s.parts, 2);
-  EXPECT_EQ(s.tiles.size(), size_t(8));
+  EXPECT_TRUE(s.few_waves);
+  EXPECT_EQ(s.parts, 3);
+  EXPECT_EQ(s.tiles.size(), size_t(9));
   ASSERT_EQ(s.merge_segments.size(), size_t(2));
+  EXPECT_EQ(s.merge_segments[0].parts, 2);
+  EXPECT_EQ(s.merge_segments[1].parts, 3);
   EXPECT_EQ(s.merge_segments[1].row_begin, 576 * 16);
   EXPECT_EQ(s.merged_rows, (64 + 100) * 16);
   expect_schedule_covers(s, {cu_q.begin(), cu_q.end()}, {cu_kv.begin(), cu_kv.end()}, 16, wgmma);
+  const DenseSchedule whole =
+      build_dense_schedule(cu_q.data(), cu_kv.data(), 3, 16, 132, kPartialRowBytes, 0, wgmma);
+  EXPECT_EQ(estimated_time(whole, 16, 132, wgmma), 2 + 32);
+  EXPECT_LT(estimated_time(s, 16, 132, wgmma), estimated_time(whole, 16, 132, wgmma));
+  // 128 heads: 6 tiles x 128 = 768 CTAs, many waves: never split, L2 head groups.
+  const DenseSchedule many = build_dense_schedule(
+      cu_q.data(), cu_kv.data(), 3, 128, 132, kPartialRowBytes, 4560 * 128 * kKvRowBytes, wgmma);
+  EXPECT_FALSE(many.few_waves);
+  EXPECT_EQ(many.parts, 1);
 }
 
 TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
@@ -631,8 +711,16 @@ TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
       expect_schedule_covers(s, cu_q, cu_kv, heads, shape);
       if (s.parts > 1) {
         EXPECT_LE(s.parts * int64_t(cu_q.back()) * heads * kPartialRowBytes, budget);
-        // The split keeps the CTAs within the kernel's occupancy.
-        EXPECT_LE(int64_t(s.tiles.size()) * heads, int64_t(shape.ctas_per_sm) * sms);
+        EXPECT_TRUE(s.few_waves);
+        // Taken only where the model estimates it faster; the tiles within the scratch bound.
+        const DenseSchedule whole = build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms,
+                                                         kPartialRowBytes, 0, shape);
+        EXPECT_LT(estimated_time(s, heads, sms, shape), estimated_time(whole, heads, sms, shape));
+        EXPECT_LE(int64_t(s.tiles.size()),
+                  cuda::dense_mha::kDenseMaxSplit * int64_t(whole.tiles.size()));
+        EXPECT_LE(int64_t(s.tiles.size()) * heads, cuda::dense_mha::kDenseMaxSplit *
+                                                       cuda::dense_mha::kDenseSplitWaves *
+                                                       shape.ctas_per_sm * sms);
       }
     }
     if (HasFatalFailure()) return;

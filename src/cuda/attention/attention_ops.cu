@@ -238,8 +238,9 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   params.num_kv = num_kv;
   params.num_tiles = int(tiles.size());
   params.num_heads = int(num_heads);
-  params.head_group = head_group > 0 ? int(std::min<int64_t>(head_group, num_heads))
-                                     : dense_head_group(num_kv, num_heads, d_nope, d_v);
+  params.head_group = head_group > 0       ? int(std::min<int64_t>(head_group, num_heads))
+                      : schedule.few_waves ? int(num_heads)
+                                           : dense_head_group(num_kv, num_heads, d_nope, d_v);
   params.v_slices = v_slices;
   params.d_v_total = d_v;
   params.split_short_tiles = split_short_tiles ? 1 : 0;
@@ -249,8 +250,11 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   }
   params.sm_scale = float(a.sm_scale);
   if (schedule.parts > 1) {
-    params.o_parts = static_cast<float*>(scratch(size_t(schedule.parts * params.rows * d_v) * 4));
-    params.lse_parts = static_cast<float*>(scratch(size_t(schedule.parts * params.rows) * 4));
+    // One block: o slots [parts, T, H, d_v], then lse slots [parts, T, H] (f32).
+    const size_t o_slots = size_t(schedule.parts * params.rows * d_v);
+    params.o_parts =
+        static_cast<float*>(scratch((o_slots + size_t(schedule.parts * params.rows)) * 4));
+    params.lse_parts = params.o_parts + o_slots;
   }
 
   // A short schedule travels in the launch's parameters; a long one with the stream (scratch

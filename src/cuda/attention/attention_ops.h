@@ -46,13 +46,15 @@ AttentionKernel dense_mha_kernel_for(const DenseMhaArgs& args);
 
 // Dense MHA prefill (docs/design.md, "Dense MHA"): bf16, (d_nope, d_rope, d_v) in {(128, 64, 128),
 // (192, 64, 128), (192, 64, 256)}, varlen causal with prefix; the tile schedule comes from
-// cu_q_host / cu_kv_host. Grids smaller than the device's `sm_count` split long tiles' kv blocks
-// over several CTAs and merge the partial results (merge_partials). `scratch(bytes)` returns
+// cu_q_host / cu_kv_host. Grids of few waves on the device's `sm_count` SMs split long tiles' kv
+// blocks over several CTAs where the schedule's cost model says it pays, and merge the partial
+// results (merge_partials). `scratch(bytes)` returns
 // stream-ordered device memory that stays valid until the call returns (the backend's arena: no
 // allocation once warm), for a long tile schedule and the split partials. `kernel` other than
 // kAuto forces that kernel (kUnsupported where it cannot run these arguments). `head_group` > 0
 // sets the wgmma kernel's grid order (heads per group, capped at H; the output is the same bits
-// for every value), 0 chooses it by the K / V bytes (dense_head_group). `split_short_tiles`: the
+// for every value), 0 chooses it: all heads on grids of few waves, else by the K / V bytes
+// (dense_head_group). `split_short_tiles`: the
 // wgmma kernel's tiles of <= 64 rows split their kv blocks between its two consumer groups
 // (docs/kernels.md); off, the first group takes them all.
 void cuda_dense_mha(const DenseMhaArgs& args, int sm_count, cudaStream_t stream,
