@@ -576,7 +576,7 @@ TEST(DenseMhaSchedule, RunCostCountsEachRowGroupsVisibleBlocks) {
 
 TEST(DenseMhaSchedule, MakespanIsTheLongestFirstListSchedule) {
   using cuda::dense_mha::dense_makespan;
-  // 5 4 3 3 3 on 2 slots: {5, 3, 3} and {4, 3}... longest first gives 5|4, 5|7, 8|7, 8|10.
+  // 5 4 3 3 3 on 2 slots, each to the least loaded: 5|4, 5|7, 8|7, 8|10.
   EXPECT_EQ(dense_makespan({{3, 3}, {5, 1}, {4, 1}}, 2), 10);
   EXPECT_EQ(dense_makespan({{2, 5}}, 2), 6);  // rounds of 2 and one more
   EXPECT_EQ(dense_makespan({{7, 3}}, 8), 7);  // fewer CTAs than slots

@@ -44,16 +44,17 @@ namespace {
 // slots are counted per load (loads[l]: slots at load l); each CTA goes to a least loaded slot,
 // and the least load never falls, so `low` only moves up; the CTAs of one cost move a whole
 // bucket of slots at a time. No load exceeds the average plus the costliest CTA (each CTA lands
-// on a slot at or below the average), which sizes the buckets.
+// on a slot at or below the average), which sizes the buckets. `loads` is the caller's buffer,
+// reused across calls.
 int64_t makespan_within(std::vector<std::pair<int64_t, int64_t>>& cost_count, int64_t slots,
-                        int64_t bound) {
+                        int64_t bound, std::vector<int64_t>& loads) {
   std::sort(cost_count.begin(), cost_count.end(),
             [](const auto& x, const auto& y) { return x.first > y.first; });
   slots = std::max<int64_t>(slots, 1);
   int64_t total = 0;
   for (const auto& [cost, count] : cost_count) total += cost * count;
   const int64_t max_cost = cost_count.empty() ? 0 : cost_count.front().first;
-  std::vector<int64_t> loads(size_t(total / slots + max_cost + 1), 0);
+  loads.assign(size_t(total / slots + max_cost + 1), 0);
   loads[0] = slots;
   int64_t low = 0, longest = 0;
   for (auto [cost, count] : cost_count) {
@@ -73,7 +74,8 @@ int64_t makespan_within(std::vector<std::pair<int64_t, int64_t>>& cost_count, in
 }  // namespace
 
 int64_t dense_makespan(std::vector<std::pair<int64_t, int64_t>> cost_count, int64_t slots) {
-  return makespan_within(cost_count, slots, INT64_MAX);
+  std::vector<int64_t> loads;
+  return makespan_within(cost_count, slots, INT64_MAX, loads);
 }
 
 namespace {
@@ -133,7 +135,8 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
     const int64_t slot_bytes = int64_t(cu_q[num_requests]) * num_heads * partial_row_bytes;
     std::vector<std::pair<int64_t, int64_t>> ctas;
     for (const WholeTile& w : whole) ctas.emplace_back(kDenseCtaCost + w.cost, num_heads);
-    int64_t best_time = makespan_within(ctas, slots, INT64_MAX);
+    std::vector<int64_t> loads;
+    int64_t best_time = makespan_within(ctas, slots, INT64_MAX, loads);
     std::vector<int32_t> run(whole.size()), previous = best_run;
     for (const int32_t k : kDenseSplitCandidates) {
       const int32_t max_run_cost = (max_cost + k - 1) / k;
@@ -163,7 +166,7 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
         }
       if (std::max(longest, (total + slots - 1) / slots) + kDenseMergeCost >= best_time) continue;
       const int64_t time =
-          makespan_within(ctas, slots, best_time - kDenseMergeCost) + kDenseMergeCost;
+          makespan_within(ctas, slots, best_time - kDenseMergeCost, loads) + kDenseMergeCost;
       if (time < best_time) {
         best_time = time;
         best_run = run;

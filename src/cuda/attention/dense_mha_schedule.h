@@ -19,9 +19,9 @@ struct DenseSchedule {
   int parts = 1;
   std::vector<MergeSegment> merge_segments;
   int32_t merged_rows = 0;
-  // The whole tiles' CTAs fill fewer than kDenseSplitWaves waves: the grid runs heaviest first
-  // over all heads (the L2 grouping of dense_head_group gains nothing when the whole grid is
-  // in flight at once), the order the split's cost model assumes.
+  // The whole tiles' CTAs fill fewer than kDenseSplitWaves waves: the launcher then runs the
+  // grid heaviest first over all heads (the L2 grouping of dense_head_group gains nothing when
+  // the whole grid is in flight at once), the order the split's cost model assumes.
   bool few_waves = false;
 };
 
@@ -42,7 +42,8 @@ inline constexpr int64_t kDenseMergeCost = 4;
 inline constexpr int64_t kDenseSplitWaves = 2;
 inline constexpr int32_t kDenseMinSplitRows = 1024;
 inline constexpr int32_t kDenseSplitCandidates[] = {2, 3, 4, 6, 8, 12, 16};
-inline constexpr int64_t kDenseMaxSplit = 16;
+inline constexpr int64_t kDenseMaxSplit =
+    kDenseSplitCandidates[sizeof(kDenseSplitCandidates) / sizeof(kDenseSplitCandidates[0]) - 1];
 
 // Units of kv blocks [block_begin, block_end) for tile t's rows: per group of kDenseCostRows
 // query rows, the blocks of that range its last row sees.
