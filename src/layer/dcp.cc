@@ -138,7 +138,7 @@ LayerResult DcpRank::forward(const Batch& batch, const LayerInputs& in,
     owned_rows += dcp_owned_positions(gi.cu_kv[size_t(r) + 1] - gi.cu_kv[size_t(r)], w, world);
   const bool staged =
       !dense && detail::stage_sparse_rows(be, kv_, options_.sparse_rows, double(owned_rows),
-                                          CostFeatures::of(batch, c).ctx_topk / world);
+                                          CostFeatures::of(batch, c).ctx_topk / world, c.num_heads);
   std::vector<int32_t> global_locs;
   for (int r = 0; r < b; ++r) {
     const int32_t len = gi.cu_kv[size_t(r) + 1] - gi.cu_kv[size_t(r)];

@@ -120,17 +120,20 @@ bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
 }
 
 bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option, double rows,
-                       double reads) {
+                       double reads, int64_t num_heads) {
   if (pool.layout() == KvLayout::kBf16 || option == SparseRows::kPool) return false;
   if (option == SparseRows::kStaged) return true;  // resolve_sparse_rows() checked the pool
-  return be.capabilities().sparse_prefers_bf16_rows && bf16_holds_pool_values(pool.desc()) &&
-         rows > 0 && reads >= kStagedRowMinReads * rows;
+  const Capabilities& caps = be.capabilities();
+  if (pool.layout() == KvLayout::kFp8Raw && num_heads <= caps.sparse_reads_fp8_raw_heads)
+    return false;
+  return caps.sparse_prefers_bf16_rows && bf16_holds_pool_values(pool.desc()) && rows > 0 &&
+         reads >= kStagedRowMinReads * rows;
 }
 
 bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option,
                        const Batch& batch, const ModelConfig& c) {
   return stage_sparse_rows(be, pool, option, double(batch.total_kv_len()),
-                           CostFeatures::of(batch, c).ctx_topk);
+                           CostFeatures::of(batch, c).ctx_topk, c.num_heads);
 }
 
 namespace {

@@ -83,9 +83,11 @@ bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
 // least kStagedRowMinReads times on average (Σ_t min(ctx_t, k) >= kStagedRowMinReads · N): a
 // prefill reads a row up to k times, a decode step about once.
 inline constexpr double kStagedRowMinReads = 32;
-// Whether a sparse call that reads `reads` (token, slot) pairs of `rows` copied rows stages them.
+// Whether a sparse call of `num_heads` heads that reads `reads` (token, slot) pairs of `rows`
+// copied rows stages them (never an fp8-raw pool the backend reads directly at that head count:
+// Capabilities::sparse_reads_fp8_raw_heads).
 bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option, double rows,
-                       double reads);
+                       double reads, int64_t num_heads);
 // The same for a batch of the layer: N = its positions, reads = Σ_t min(ctx_t, k).
 bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option,
                        const Batch& batch, const ModelConfig& c);

@@ -197,6 +197,24 @@ class CudaSparseMla : public CudaAttention {
   }
 };
 
+// o_lat, lse and max_logits against the float64 reference; token 1 (no valid slot) exactly 0 and
+// +inf / -inf.
+void expect_matches_reference(const SparseCase& c, const SparseResult& r) {
+  const double tol = c.layout == KvLayout::kBf16 ? testing::kTolBf16 : testing::kTolFp8Pool;
+  EXPECT_LE(testing::rel_l2(r.o_lat, r.ref.o), tol) << "o_lat rel-L2";
+  EXPECT_LE(testing::max_abs_diff(r.lse, r.ref.lse), testing::kTolLse) << "lse";
+  EXPECT_LE(testing::max_abs_diff(r.max_logits, r.ref.max_logit), testing::kTolLse) << "max_logits";
+  if (c.num_tokens > 1) {
+    const size_t h = size_t(c.num_heads);
+    for (size_t i = h * 512; i < 2 * h * 512; ++i)
+      ASSERT_EQ(r.o_lat[i], 0.0) << "o_lat[" << i << "]";
+    for (size_t i = h; i < 2 * h; ++i) {
+      ASSERT_EQ(r.lse[i], std::numeric_limits<double>::infinity());
+      ASSERT_EQ(r.max_logits[i], -std::numeric_limits<double>::infinity());
+    }
+  }
+}
+
 // Each case runs on every compiled kernel with an instance for its layout (the mma.sync kernel
 // has all; the wgmma kernel's rows are in src/cuda/attention/instances.h), forced through
 // DSAKIT_SPARSE_MLA_KERNEL.
@@ -251,17 +269,25 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kFp8Scaled, 4, 5, 2048, true, ScalePolicy::kPow2},
   };
   for (const SparseCase& c : cases)
-    for (const std::string kernel : {"sm80", "sm90", "sm90-h64"}) {
+    for (const std::string kernel : {"sm80", "sm90", "sm90-h64", "sm90-h16"}) {
       // sm90: the wgmma kernel by H (keys on M for H <= 16); sm90-h64: its 64-head variant at
-      // H <= 16 (above 16 that is what sm90 runs).
+      // H <= 16 (above 16 that is what sm90 runs); sm90-h16: the keys-on-M kernel forced above
+      // 16 heads (fp8-raw: 16-head groups).
       const bool wgmma = kernel != "sm80";
+      const bool few_heads_instance =
+          cuda::attention::dispatch_sparse_mla_sm90_few_heads(c.layout, [](auto) {});
       if (kernel == "sm90-h64" &&
-          (c.num_heads > cuda::attention::kSparseMlaSm90FewHeads ||
-           !cuda::attention::dispatch_sparse_mla_sm90_few_heads(c.layout, [](auto) {})))
+          (c.num_heads > cuda::attention::kSparseMlaSm90FewHeads || !few_heads_instance))
+        continue;
+      if (kernel == "sm90-h16" &&
+          (c.num_heads <= cuda::attention::kSparseMlaSm90FewHeads || !few_heads_instance ||
+           !cuda::attention::sparse_mla_sm90_few_heads_take(c.layout, c.num_heads)))
         continue;
       if (wgmma && !cuda::attention::dispatch_sparse_mla_sm90(c.layout, [](auto) {})) continue;
       const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", wgmma ? "sm90" : "sm80");
-      const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", kernel == "sm90-h64" ? "64" : "auto");
+      const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", kernel == "sm90-h64"   ? "64"
+                                                              : kernel == "sm90-h16" ? "16"
+                                                                                     : "auto");
       const uint64_t seed = testing::fresh_seed();
       SCOPED_TRACE(::testing::Message()
                    << "seed " << seed << " kernel " << kernel << " layout " << to_string(c.layout)
@@ -280,24 +306,26 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
         }
         continue;
       }
-      const SparseResult r = run(c, seed);
-      const double tol = c.layout == KvLayout::kBf16 ? testing::kTolBf16 : testing::kTolFp8Pool;
-      const double err = testing::rel_l2(r.o_lat, r.ref.o);
-      EXPECT_LE(err, tol) << "o_lat rel-L2";
-      EXPECT_LE(testing::max_abs_diff(r.lse, r.ref.lse), testing::kTolLse) << "lse";
-      EXPECT_LE(testing::max_abs_diff(r.max_logits, r.ref.max_logit), testing::kTolLse)
-          << "max_logits";
-      // Token 1 has no valid slot: exactly 0 and +inf.
-      if (c.num_tokens > 1) {
-        const size_t h = size_t(c.num_heads);
-        for (size_t i = h * 512; i < 2 * h * 512; ++i)
-          ASSERT_EQ(r.o_lat[i], 0.0) << "o_lat[" << i << "]";
-        for (size_t i = h; i < 2 * h; ++i) {
-          ASSERT_EQ(r.lse[i], std::numeric_limits<double>::infinity());
-          ASSERT_EQ(r.max_logits[i], -std::numeric_limits<double>::infinity());
-        }
-      }
+      expect_matches_reference(c, run(c, seed));
     }
+}
+
+// The fp8-raw keys-on-M kernel (few_heads_fp8_kernel.cuh) alone, small enough for racecheck:
+// block counts that give its two consumer groups equal shares, unequal ones and none (k = 129:
+// three blocks; token 1 reads nothing), at 16 heads, 7, and 32 (two 16-head groups, forced).
+TEST_F(CudaSparseMla, Fp8RawKeysOnMKernelMatchesReference) {
+  if (!cuda::attention::dispatch_sparse_mla_sm90_few_heads(KvLayout::kFp8Raw, [](auto) {}))
+    GTEST_SKIP() << "no keys-on-M instance for fp8-raw";
+  const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", "sm90");
+  const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", "16");
+  for (const SparseCase& c : {SparseCase{KvLayout::kFp8Raw, 3, 16, 2048, true},
+                              SparseCase{KvLayout::kFp8Raw, 3, 7, 129, false},
+                              SparseCase{KvLayout::kFp8Raw, 2, 32, 300, true}}) {
+    const uint64_t seed = testing::fresh_seed();
+    SCOPED_TRACE(::testing::Message()
+                 << "seed " << seed << " H " << c.num_heads << " k " << c.topk);
+    expect_matches_reference(c, run(c, seed));
+  }
 }
 
 // Every e4m3 code at every column reads as its exact value: pool bytes written directly (each

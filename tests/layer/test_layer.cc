@@ -619,8 +619,10 @@ TEST_P(LayerTest, StagedRowsReadThePoolsValues) {
 }
 
 // kAuto stages where the backend prefers bf16 rows and the batch reads each context row often
-// (a prefill), not for a decode step; the sparse workspace counts the copy exactly then; a
-// forced copy of a pool bf16 does not hold is refused when the layer is made.
+// (a prefill), not for a decode step, nor for an fp8-raw pool at a head count the backend reads
+// such pools directly (Capabilities::sparse_reads_fp8_raw_heads); the sparse workspace counts
+// the copy exactly then; a forced copy of a pool bf16 does not hold is refused when the layer is
+// made.
 TEST_P(LayerTest, StagedRowsByDefaultWhereTheyPay) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
@@ -647,6 +649,19 @@ TEST_P(LayerTest, StagedRowsByDefaultWhereTheyPay) {
   use_sparse_rows(h, ScalePolicy::kPow2, 1.0f, SparseRows::kStaged);
   EXPECT_EQ(h.layer->workspace_bytes(prefill, AttentionPath::kSparseMla), pool_bytes + copy);
   EXPECT_EQ(auto_bytes, pool_bytes + (h.be->capabilities().sparse_prefers_bf16_rows ? copy : 0));
+
+  // An fp8-raw pool (k_scale a power of two: bf16 holds its values) at these 16 heads.
+  {
+    Harness raw(c, GetParam(), KvLayout::kFp8Raw, 16, len, seed, DispatchMode::kSparse);
+    use_sparse_rows(raw, ScalePolicy::kPow2, 0.5f, SparseRows::kAuto);
+    RunOutputs raw_out;
+    run_schedule(*raw.layer, raw.tables, raw.tokens, {raw.zeros(), prompt, 0, ForwardMode::kExtend},
+                 raw_out);
+    const Capabilities& caps = raw.be->capabilities();
+    EXPECT_EQ(has_stage(raw_out.steps[0], "stage_rows"),
+              caps.sparse_prefers_bf16_rows && c.num_heads > caps.sparse_reads_fp8_raw_heads);
+    expect_matches_reference(raw, raw_out, len);
+  }
 
   // 656-byte amax scales, fp8-raw with k_scale 0.75: bf16 does not hold their values.
   for (KvLayout layout : {KvLayout::kFp8Scaled, KvLayout::kFp8Raw}) {

@@ -79,6 +79,15 @@ __device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 codes) {
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// Four e4m3 codes (x: the first in the low byte) as two f16 pairs, exactly: lo = codes 0 and 1,
+// hi = codes 2 and 3 (the first of each pair in the low half).
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(x));
+}
+
 // Both bf16 halves of v times (lo, hi) in fp32, rounded back to bf16.
 __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, float lo, float hi) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));

@@ -1,6 +1,8 @@
 // Sparse MLA on Hopper for few heads (H <= 16: DeepSeek-V3.2's TP8 shard), keys on the wgmma M
-// dimension. Same contract and numerics as sparse_mla_kernel.cuh (the 64-head kernel), whose
-// shared-memory layout, CTA order and producer (produce_blocks) it takes unchanged.
+// dimension, on bf16 and 656-byte pools (fp8-raw pools: few_heads_fp8_kernel.cuh, the codes
+// widened in the consumers' registers; run_sparse_mla_sm90_few_heads routes them). Same contract
+// and numerics as sparse_mla_kernel.cuh (the 64-head kernel), whose shared-memory layout, CTA order
+// and producer (produce_blocks) it takes unchanged.
 //
 // With heads on M, 16 heads fill a quarter of each 64-row tile and cost what 64 do. Here the
 // products are taken transposed, 64 keys (a block) on M and the CTA's 16 heads on N:
@@ -12,7 +14,7 @@
 //
 // One CTA per token: consumer warpgroups 0 and 1, then the 64-head kernel's producer
 // (produce_blocks: block 2i into buffer K0, 2i + 1 into K1, halves L = tiles 0-3 and R = tiles
-// 4-8) — one warpgroup on bf16 pools; two on FP8 pools (kFewHeadsProducers), each widening half
+// 4-8) — one warpgroup on bf16 pools; two on FP8 ones (kFewHeadsProducers), each widening half
 // of every block's rows, since at 16 heads the widening is what the consumers wait for. Consumer
 // group b takes the blocks of buffer b with its own online softmax and all 512 output dims; the
 // two partial results meet in the epilogue. Per block, group b (WG0 works L first, WG1 R first:
@@ -29,8 +31,9 @@
 //   o[mt][4j + 2r + c]  = Oᵀ[dim 64 mt + 16w + g + 8r][head 8j + 2q + c]     mt < 8
 // so a thread holds 4 heads, hi = 2j + c: their offsets m, sums l and maxima m_true.
 //
-// The table of instances (instances.h) compiles it for every pool layout; the wgmma path runs it
-// for H <= 16 (cuda_sparse_mla; DSAKIT_SPARSE_MLA_SM90_HEADS=64 forces the 64-head kernel).
+// The table of instances (instances.h) has a row per pool layout (the fp8-raw row compiles
+// few_heads_fp8_kernel.cuh instead); the wgmma path runs it for H <= 16 (cuda_sparse_mla;
+// DSAKIT_SPARSE_MLA_SM90_HEADS=64 forces the 64-head kernel).
 //
 // Shared memory: Sm90Config's layout; P1's tile holds the groups' Pᵀ tiles (2 KB each); past it
 // the groups' per-warp head maxima / sums and the epilogue's per-group (m, l, max). The epilogue
@@ -38,6 +41,8 @@
 // token with no slot has no Sᵀ, and the producer copies no Q for it).
 #pragma once
 
+#include "src/cuda/sm90/prefill/sparse_mla/few_heads_fp8_kernel.cuh"
+#include "src/cuda/sm90/prefill/sparse_mla/few_heads_softmax.cuh"
 #include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_kernel.cuh"
 
 namespace dsakit::cuda::sparse_mla {
@@ -123,12 +128,7 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
 #pragma unroll
     for (int i = 0; i < 8; ++i) o[mt][i] = 0.f;
   float s[8];
-  // Per head hi = 2j + c of this thread: the exponent offset (as in the 64-head kernel: moves
-  // only when a block's max passes it by more than kRescaleSlack), the running sum of this
-  // thread's keys, the exact max of this group's blocks.
-  float m[4] = {-1e30f, -1e30f, -1e30f, -1e30f};
-  float l[4] = {0.f, 0.f, 0.f, 0.f};
-  float m_true[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  FewHeadsSoftmax softmax;
 
   constexpr int kL = C::kHalfTiles, kR = C::kTiles - C::kHalfTiles;
   const auto issue_s = [&](int it) {
@@ -165,53 +165,7 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
     // ---- mask, per-head block max (S stays unscaled: the scale folds into the exponent) ------
     sm90::mbarrier_wait(sm.valid_full(), it & 1);
     const bool ok[2] = {slot_ok[16 * warp + g] != 0, slot_ok[16 * warp + g + 8] != 0};
-#pragma unroll
-    for (int hi = 0; hi < 4; ++hi) {
-      const int j = hi / 2, c = hi % 2;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) s[4 * j + 2 * r + c] = ok[r] ? s[4 * j + 2 * r + c] : -INFINITY;
-      float x = fmaxf(s[4 * j + c], s[4 * j + 2 + c]);
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-      if (g == 0) warp_heads[warp * F::kHeads + 8 * j + 2 * q + c] = x;
-    }
-    sm90::named_barrier_sync(F::kSyncHeads + wg, 128);
-    float m_new[4];
-    bool moved = false;
-#pragma unroll
-    for (int hi = 0; hi < 4; ++hi) {
-      const int head = 8 * (hi / 2) + 2 * q + hi % 2;
-      float x = warp_heads[head];
-#pragma unroll
-      for (int w = 1; w < 4; ++w) x = fmaxf(x, warp_heads[w * F::kHeads + head]);
-      const float block_max = x * scale_log2;
-      m_true[hi] = fmaxf(m_true[hi], block_max);
-      // false for NaN and for -inf
-      m_new[hi] = block_max > m[hi] + C::kRescaleSlack ? block_max : m[hi];
-      moved |= m_new[hi] != m[hi];
-    }
-    if (moved) {
-#pragma unroll
-      for (int hi = 0; hi < 4; ++hi) {
-        const float alpha = exp2_approx(m[hi] - m_new[hi]);
-        l[hi] *= alpha;
-#pragma unroll
-        for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) o[mt][4 * (hi / 2) + 2 * r + hi % 2] *= alpha;
-      }
-    }
-#pragma unroll
-    for (int hi = 0; hi < 4; ++hi) {
-      m[hi] = m_new[hi];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float& x = s[4 * (hi / 2) + 2 * r + hi % 2];
-        x = exp2_approx(fmaf(x, scale_log2, -m_new[hi]));
-        l[hi] += x;
-      }
-    }
+    softmax.block(s, o, ok, warp_heads, F::kSyncHeads + wg, scale_log2, warp, g, q);
 
     // ---- Pᵀ to shared memory: matrix mi = 2 j + r is keys 16 w + 8 r .., heads 8 j .. --------
     {
@@ -252,55 +206,17 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
     }
   }
 
-  // ---- epilogue: each group's sums, the two groups merged, normalize, write ------------------
-  // The group's per-head sums over its 128 threads (the last Pᵀ barrier ordered every read of
-  // warp_heads' maxima before these writes).
-#pragma unroll
-  for (int hi = 0; hi < 4; ++hi) {
-    float x = l[hi];
-    x += __shfl_xor_sync(0xffffffffu, x, 4);
-    x += __shfl_xor_sync(0xffffffffu, x, 8);
-    x += __shfl_xor_sync(0xffffffffu, x, 16);
-    if (g == 0) warp_heads[warp * F::kHeads + 8 * (hi / 2) + 2 * q + hi % 2] = x;
-  }
-  sm90::named_barrier_sync(F::kSyncHeads + wg, 128);
-  if (warp == 0 && g == 0)
-#pragma unroll
-    for (int hi = 0; hi < 4; ++hi) {
-      const int head = 8 * (hi / 2) + 2 * q + hi % 2;
-      float x = 0.f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) x += warp_heads[w * F::kHeads + head];
-      merge[(wg * 3 + 0) * F::kHeads + head] = m[hi];
-      merge[(wg * 3 + 1) * F::kHeads + head] = x;
-      merge[(wg * 3 + 2) * F::kHeads + head] = m_true[hi];
-    }
-  // Both groups' (m, l, max) are in, and both groups' last Sᵀ has completed (Q's tiles are free).
-  sm90::named_barrier_sync(F::kSyncMerge, 256);
+  // ---- epilogue: the two groups merged, normalize, write -------------------------------------
+  // Once both groups' (m, l, max) are in, both groups' last Sᵀ has completed (Q's tiles are
+  // free for WG1's scaled Oᵀ).
   float total[4], factor[4], offset[4];
-#pragma unroll
-  for (int hi = 0; hi < 4; ++hi) {
-    const int head = 8 * (hi / 2) + 2 * q + hi % 2;
-    const float m0 = merge[0 * F::kHeads + head], m1 = merge[3 * F::kHeads + head];
-    offset[hi] = fmaxf(m0, m1);
-    const float f0 = exp2_approx(m0 - offset[hi]), f1 = exp2_approx(m1 - offset[hi]);
-    total[hi] = merge[1 * F::kHeads + head] * f0 + merge[4 * F::kHeads + head] * f1;
-    // total == 0 exactly when no slot was valid (the max slot contributes 1); NaN propagates.
-    factor[hi] = total[hi] == 0.f ? 0.f : (wg == 0 ? f0 : f1) * value_scale / total[hi];
-  }
   float* staged = reinterpret_cast<float*>(smem + C::kQ);  // [64 values][128 threads]
-  if (wg == 1) {
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-      for (int i = 0; i < 8; ++i)  // accumulator i = 4 j + 2 r + c holds head hi = 2 j + c
-        staged[(mt * 8 + i) * 128 + wtid] = o[mt][i] * factor[2 * (i / 4) + i % 2];
-  }
-  sm90::named_barrier_sync(F::kSyncMerge, 256);
+  softmax.merge_and_stage(o, warp_heads, merge, staged, wg, wtid, F::kSyncHeads + wg, F::kSyncMerge,
+                          F::kSyncMerge, value_scale, total, factor, offset);
   if (wg == 1) return;
 #pragma unroll
   for (int hi = 0; hi < 4; ++hi) {
-    const int head = work.head0 + 8 * (hi / 2) + 2 * q + hi % 2;
+    const int head = work.head0 + FewHeadsSoftmax::head_of(hi, q);
     if (head >= p.num_heads) continue;
     const int64_t th = work.t * p.num_heads + head;
     // bf16 bits, one value a store (a warp's store covers 4 heads x 8 consecutive dims).
@@ -313,26 +229,24 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
         out[64 * mt + 16 * warp + g + 8 * r] =
             uint16_t(pack_bf16x2(o[mt][i] * factor[hi] + staged[(mt * 8 + i) * 128 + wtid], 0.f));
       }
-    if (warp == 0 && g == 0) {
-      p.lse[th] = total[hi] == 0.f ? INFINITY : (offset[hi] + log2f(total[hi])) * kLn2;
-      if (p.max_logits != nullptr) {
-        const int h = head - work.head0;
-        p.max_logits[th] = total[hi] == 0.f
-                               ? -INFINITY
-                               : fmaxf(merge[2 * F::kHeads + h], merge[5 * F::kHeads + h]) * kLn2;
-      }
-    }
+    if (warp == 0 && g == 0) write_lse(p, th, head - work.head0, total[hi], offset[hi], merge);
   }
 }
 
 template <KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90_few_heads(const SparseMlaParams& params, cudaStream_t stream) {
   using F = FewHeadsConfig;
-  if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
-  if (params.num_heads > F::kHeads) return cudaErrorInvalidValue;
-  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>,
-                            kFewHeadsProducers<kLayout>>(params, params.num_tokens, F::kSmemBytes,
-                                                         stream);
+  // fp8-raw: the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh), 16 heads
+  // a CTA at any H.
+  if constexpr (kLayout == KvLayout::kFp8Raw) {
+    return run_sparse_mla_sm90_few_heads_fp8<kLayout>(params, stream);
+  } else {
+    if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
+    if (params.num_heads > F::kHeads) return cudaErrorInvalidValue;
+    return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>,
+                              kFewHeadsProducers<kLayout>>(params, params.num_tokens, F::kSmemBytes,
+                                                           stream);
+  }
 }
 
 }  // namespace dsakit::cuda::sparse_mla

@@ -321,6 +321,31 @@ __device__ __forceinline__ void copy_q_bf16(const SparseMlaParams& p, int64_t t,
   }
 }
 
+// The largest finite magnitude of the bf16 values in v folded into m2 (two 16-bit maxima of
+// bf16 magnitude bits, which order like the magnitudes; inf / NaN count as 0).
+__device__ __forceinline__ void fold_finite_max_bf16(uint32_t& m2, uint4 v) {
+  for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+    const uint32_t mag = w & 0x7fff7fffu;
+    m2 = __vmaxu2(m2, mag & __vcmpltu2(mag, 0x7f807f80u));
+  }
+}
+
+// The power-of-two exponent `shift` that scales Q (bf16) into f16: the largest finite |q| over
+// the producer warpgroup's 128 threads (m2: each thread's fold_finite_max_bf16) lands in
+// [2^14, 2^15) at Q · 2^-shift. Reduced through amax_scratch (u32 [4]) and named barrier
+// kSyncProducer; thread 0 writes it to *q_shift.
+__device__ __forceinline__ int q_f16_shift(uint32_t m2, uint32_t* amax_scratch, int* q_shift,
+                                           int wtid) {
+  uint32_t m = __reduce_max_sync(0xffffffffu, max(m2 & 0xffffu, m2 >> 16));
+  if (wtid % 32 == 0) amax_scratch[wtid / 32] = m;
+  sm90::named_barrier_sync(Sm90Config::kSyncProducer, 128);
+  m = max(max(amax_scratch[0], amax_scratch[1]), max(amax_scratch[2], amax_scratch[3]));
+  // m's exponent field E: the largest |q| is in [2^(E-127), 2^(E-126)).
+  const int shift = m == 0 ? 0 : min(max(int(m >> 7) - 127 - 14, -112), 112);
+  if (wtid == 0) *q_shift = shift;
+  return shift;
+}
+
 // f16 operands: Q as copy_q_bf16 copies it, then converted in place by the thread that copied
 // each chunk to f16 scaled by 2^-shift, shift chosen so the largest finite |q| of the CTA lands
 // in [2^14, 2^15): none overflows, and every value that lands at 2^-17 or above (at least 2^-31
@@ -338,28 +363,17 @@ __device__ __forceinline__ void load_q_f16(const SparseMlaParams& p, int64_t t, 
   const auto chunk = [&](int i, int tile) {
     return q_tiles + tile * C::kTileBytes + sm90::swizzled_chunk(group + 16 * i, lane8);
   };
-  // Pass 1: the largest finite |q|, as bf16 magnitude bits (they order like the magnitudes).
-  uint32_t m2 = 0;  // two 16-bit maxima
+  // Pass 1: the largest finite |q|.
+  uint32_t m2 = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int tile = 0; tile < C::kTiles; ++tile) {
-      const uint4 v = sm90::ld_shared_u32x4(chunk(i, tile));
-      for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
-        const uint32_t mag = w & 0x7fff7fffu;
-        m2 = __vmaxu2(m2, mag & __vcmpltu2(mag, 0x7f807f80u));  // inf / NaN count as 0
-      }
-    }
-  uint32_t m = __reduce_max_sync(0xffffffffu, max(m2 & 0xffffu, m2 >> 16));
-  if (wtid % 32 == 0) amax_scratch[wtid / 32] = m;
-  sm90::named_barrier_sync(C::kSyncProducer, 128);
-  m = max(max(amax_scratch[0], amax_scratch[1]), max(amax_scratch[2], amax_scratch[3]));
-  // m's exponent field E: the largest |q| is in [2^(E-127), 2^(E-126)).
-  const int shift = m == 0 ? 0 : min(max(int(m >> 7) - 127 - 14, -112), 112);
+    for (int tile = 0; tile < C::kTiles; ++tile)
+      fold_finite_max_bf16(m2, sm90::ld_shared_u32x4(chunk(i, tile)));
+  const int shift = q_f16_shift(m2, amax_scratch, q_shift, wtid);
   const float down = __int_as_float((127 - shift) << 23);  // 2^-shift
-  if (wtid == 0) *q_shift = shift;
 
-    // Pass 2: convert in place.
+  // Pass 2: convert in place.
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll

@@ -1,0 +1,414 @@
+// Sparse MLA on Hopper for few heads (H <= 16 per CTA) on the fp8-raw pool (576 e4m3 codes a row,
+// one scale for the pool): the rows gathered as codes, widened in the consumers' registers.
+// Same contract and numerics as the other sparse kernels (f16 operands: the codes exactly, Q
+// scaled by a power of two into f16's range, P rounded to f16).
+//
+// Keys on the wgmma M dimension as in few_heads_kernel.cuh, but both products take A from
+// registers, so the pool's codes never pass through shared memory as 16-bit values:
+//   Sᵀ[m, h] = K[m, :] · Q[h, :]     A = 64 keys' codes widened to f16 (k16 steps of 576 columns),
+//                                    B = Q (16 heads, K-major, columns permuted, below)
+//   Oᵀ[d, h] += Vᵀ[d, m] · Pᵀ[m, h]  A = the same codes read across keys (dims on M), widened,
+//                                    B = Pᵀ, a [16 heads][64 keys] f16 tile per group
+// A wgmma with A in registers reads only B from shared memory, 0.5 KB a k16 step at N = 16.
+//
+// One CTA of three warpgroups per (token, 16-head group): WG2 (producer) copies Q once (f16,
+// permuted), then each block of 64 selected rows as codes by cp.async into a ring of kStages
+// buffers (invalid rows zero-filled); block i goes to buffer i % kStages and is taken by consumer
+// group i % 2 (WG0 / WG1), each with its own online softmax over all 512 dims; the groups' two
+// partial results meet in the epilogue (as in few_heads_kernel.cuh).
+//
+// Row order. Buffer row j holds the block's slot j; M index m (the Sᵀ row, the Oᵀ k index, the
+// Pᵀ column) is buffer row rho(m), rho swapping bits 0 and 2 of m. With the row stride of 592
+// bytes (37 chunks of 16) every 16-byte shared-memory read of both products is conflict-free:
+//   Sᵀ: lane (g, q) of warp w reads rows rho(16w + g), rho(16w + g + 8), chunk 4u + q for
+//     column group u (64 codes);
+//   Oᵀ: lane (g, q) reads rows rho(16ks + 2q + {0, 1, 8, 9}) at chunk c = 8w + 4(g & 1) + g / 2:
+//     dims [16c, 16c + 16) of each key, all its rows of every Oᵀ tile (below).
+// Column order (Sᵀ's k): codes 64u + 16q + 4s + e of a row (e < 4) are this lane's A pairs of
+// k16 step 4u + s: e = 0, 1 -> k = 2q, 2q + 1 (a[0] / a[1] by row), e = 2, 3 -> k = 2q + 8, + 9
+// (a[2] / a[3]); Q's columns are stored in the same order (logical k of step 4u + s holds Q's
+// column 64u + 16(k % 8 / 2) + 4s + (k / 8) * 2 + k % 2), so the dot product is unchanged.
+// Dim order (Oᵀ's M): row 64mt + 16w + g + 8r of Oᵀ tile mt is dim 16c + 2mt + r, so a lane's
+// 16 codes of one key are its rows of all 8 tiles, and its output is 16 consecutive dims a head.
+//
+// Accumulators (thread g = lane / 4, q = lane % 4 of warp w):
+//   s[4j + 2r + c]      = Sᵀ[m = 16w + g + 8r][head 8j + 2q + c]            j, r, c in {0, 1}
+//   o[mt][4j + 2r + c]  = Oᵀ[dim 16c + 2mt + r][head 8j + 2q + c]          mt < 8
+// so a thread holds 4 heads, hi = 2j + c.
+//
+// Shared memory (bytes):
+//   Q    [9 tiles of 16 x 64 f16] 18432   K-major, 128-byte swizzled
+//   Pᵀ   [2 groups][16 x 64 f16]   4096   the same
+//   ring [kStages][64 rows][592]         codes as stored (576 bytes a row)
+//   mbarriers full / empty [kStages], q_full; the groups' per-warp head maxima / sums, the
+//   epilogue's (m, l, max); Q's power-of-two shift and the producer warps' |Q| maxima.
+// The epilogue stages WG1's scaled Oᵀ (f32, 32 KB) in buffer 0 once both groups are done.
+#pragma once
+
+#include "src/cuda/sm90/prefill/sparse_mla/few_heads_softmax.cuh"
+#include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_kernel.cuh"
+
+namespace dsakit::cuda::sparse_mla {
+
+struct FewHeadsFp8Config {
+  static constexpr int kHeads = 16;  // heads per CTA (wgmma N)
+  static constexpr int kBlock = 64;  // rows per block (wgmma M of Sᵀ, K of Oᵀ)
+  static constexpr int kStages = 4;
+  static constexpr int kRowStride = kDimQk + 16;  // 592: see the row order
+  static constexpr int kStageBytes = kBlock * kRowStride;
+  static constexpr int kGroups = kDimQk / 64;      // 9 column groups of 64 codes (4 k16 steps)
+  static constexpr int kTileBytes = kHeads * 128;  // [16][64] f16
+
+  static constexpr int kQ = 0;
+  static constexpr int kPt = kQ + kGroups * kTileBytes;
+  static constexpr int kRing = kPt + 2 * kTileBytes;
+  static constexpr int kBars = kRing + kStages * kStageBytes;
+  static constexpr int kBarFull = kBars;                 // + 8 * stage
+  static constexpr int kBarEmpty = kBars + 8 * kStages;  // + 8 * stage
+  static constexpr int kBarQ = kBars + 16 * kStages;
+  static constexpr int kWarpHeads = kBarQ + 8;                // f32 [2][4][16]
+  static constexpr int kMerge = kWarpHeads + 4 * 2 * 4 * 16;  // f32 [2][3][16]: m, l, max
+  static constexpr int kQShift = kMerge + 4 * 2 * 3 * 16;     // i32
+  static constexpr int kQAmax = kQShift + 16;                 // u32 [4]
+  static constexpr int kSmemBytes = kQAmax + 16;
+  static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
+  static_assert(kPt % 1024 == 0 && kRing % 16 == 0 && kBars % 8 == 0);
+  static_assert(128 * 64 * 4 <= kStageBytes, "WG1's Oᵀ staging fits in buffer 0");
+  // Named barriers: the group's head maxima and sums (1 + b), its Pᵀ (3 + b), both groups'
+  // (m, l, max) in (5) and WG1's Oᵀ staged (7); the producer's four warps (6, q_f16_shift).
+  static constexpr int kSyncHeads = 1, kSyncPt = 3, kSyncMerge = 5, kSyncStaged = 7;
+};
+
+// Buffer row of M index m: bits 0 and 2 swapped (the row order above).
+__device__ __forceinline__ int fp8_row_of(int m) {
+  return (m & ~5) | ((m & 1) << 2) | ((m >> 2) & 1);
+}
+
+// Q of heads [head0, head0 + 16) as the Sᵀ B operand: f16 scaled by 2^-shift (load_q_f16's rule:
+// the largest finite |q| of the CTA lands in [2^14, 2^15)), columns in the permuted order. Thread
+// wtid of the producer's 128 takes head wtid / 8 and values [8 (wtid % 8), + 8) of every column
+// group. Writes shift to *q_shift and arrives on bar_q.
+__device__ __forceinline__ void load_q_permuted_f16(const SparseMlaParams& p, int64_t t, int head0,
+                                                    uint32_t q_tiles, uint32_t* amax_scratch,
+                                                    int* q_shift, uint32_t bar_q, int wtid) {
+  using F = FewHeadsFp8Config;
+  const int h = wtid / 8, c8 = wtid % 8, head = head0 + h;
+  const bool ok = head < p.num_heads;
+  const int64_t hh = ok ? head : 0;
+  const bf16_t* latent = p.q_abs + t * p.q_abs_token_stride + hh * p.q_abs_head_stride + 8 * c8;
+  const bf16_t* rope = p.q_pe + t * p.q_pe_token_stride + hh * p.q_pe_head_stride + 8 * c8;
+  // Codes [8 c8, + 8) of column group u (read twice: for the maximum, then to convert; the
+  // second read hits L1).
+  const auto load = [&](int u) {
+    return ok ? __ldg(reinterpret_cast<const uint4*>(u < F::kGroups - 1 ? latent + 64 * u : rope))
+              : make_uint4(0, 0, 0, 0);
+  };
+  uint32_t m2 = 0;
+#pragma unroll
+  for (int u = 0; u < F::kGroups; ++u) fold_finite_max_bf16(m2, load(u));
+  const int shift = q_f16_shift(m2, amax_scratch, q_shift, wtid);
+  const float down = __int_as_float((127 - shift) << 23);  // 2^-shift
+  // Codes 8 c8 + 2i, + 1 of a group are (q, s, e) = (c8 / 2, 2 (c8 % 2) + i / 2, 2 (i % 2)):
+  // logical k = 16 s + 2q + 8 (i % 2) of the group's tile, one f16 pair.
+  const int q = c8 / 2;
+#pragma unroll
+  for (int u = 0; u < F::kGroups; ++u) {
+    const uint4 v = load(u);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t w = words[i];
+      const int k = 16 * (2 * (c8 % 2) + i / 2) + 2 * q + 8 * (i % 2);
+      const uint32_t pair =
+          pack_f16x2(__uint_as_float(w << 16) * down, __uint_as_float(w & 0xffff0000u) * down);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_tiles + u * F::kTileBytes +
+                                                     sm90::swizzled_chunk(h, k / 8) + 2 * (k % 8)),
+                   "r"(pair)
+                   : "memory");
+    }
+  }
+  sm90::fence_proxy_async_shared();
+  sm90::mbarrier_arrive(bar_q);
+}
+
+// The pool location of slot `slot` of the token, or -1 where it reads nothing (past num_slots,
+// negative, or past the pool).
+__device__ __forceinline__ int32_t slot_location(const SparseMlaParams& p, const CtaWork& work,
+                                                 int slot) {
+  const int32_t loc = slot < work.num_slots ? __ldg(work.slots + slot) : -1;
+  return loc < p.num_locations ? loc : -1;
+}
+
+// The producer warpgroup: Q, then every block's 64 rows as stored (576 codes) into the ring.
+// Warp w copies rows [16w, 16w + 16), 36 chunks of 16 bytes each: chunk f = 32 i + lane of its
+// 576 at step i, so a warp's copies of one step are consecutive chunks of one or two rows (a few
+// 128-byte lines, not one line per lane); lane r < 16 holds row 16w + r's location.
+__device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, char* smem,
+                                                   const CtaWork& work, int num_blocks, int wtid) {
+  using F = FewHeadsFp8Config;
+  constexpr int kRowChunks = kDimQk / 16;  // 36
+  if (num_blocks == 0) return;
+  const uint32_t base = smem_addr(smem);
+  load_q_permuted_f16(p, work.t, work.head0, base + F::kQ,
+                      reinterpret_cast<uint32_t*>(smem + F::kQAmax),
+                      reinterpret_cast<int*>(smem + F::kQShift), base + F::kBarQ, wtid);
+  const int warp = wtid / 32, lane = wtid % 32;
+  const auto row_location = [&](int blk) {
+    return slot_location(p, work, blk * F::kBlock + 16 * warp + lane % 16);
+  };
+  int32_t loc = row_location(0);
+#pragma unroll 1
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    const int stage = blk % F::kStages;
+    const int32_t next = blk + 1 < num_blocks ? row_location(blk + 1) : -1;
+    sm90::mbarrier_wait(base + F::kBarEmpty + 8 * stage, ((blk / F::kStages) & 1) ^ 1);
+    const uint32_t rows = base + F::kRing + stage * F::kStageBytes + 16 * warp * F::kRowStride;
+#pragma unroll
+    for (int i = 0; i < 16 * kRowChunks / 32; ++i) {
+      const int f = 32 * i + lane, r = f / kRowChunks, c = f - r * kRowChunks;
+      const int32_t row_loc = __shfl_sync(0xffffffffu, loc, r);
+      cp_async_16(rows + r * F::kRowStride + 16 * c,
+                  pool_row<KvLayout::kFp8Raw>(p, row_loc) + 16 * c, row_loc >= 0);
+    }
+    sm90::cp_async_mbarrier_arrive(base + F::kBarFull + 8 * stage);
+    loc = next;
+  }
+  cp_async_wait<0>();
+}
+
+template <KvLayout kLayout>
+__global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
+    sparse_mla_sm90_few_heads_fp8_kernel(const __grid_constant__ SparseMlaParams p) {
+  static_assert(kLayout == KvLayout::kFp8Raw, "the fp8-raw pool (one scale, f16 operands)");
+  using F = FewHeadsFp8Config;
+  using W = Sm90Warps<1>;
+  constexpr sm90::Ab kAb = sm90::Ab::kF16;
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t base = smem_addr(smem);
+  // The CTA's work is derived after the warpgroups' register reallocation (a value held across
+  // it is spilled).
+  const auto blocks_of = [](const CtaWork& w) { return (w.num_slots + F::kBlock - 1) / F::kBlock; };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < F::kStages; ++s) {
+      sm90::mbarrier_init(base + F::kBarFull + 8 * s, 128);
+      sm90::mbarrier_init(base + F::kBarEmpty + 8 * s, 128);
+    }
+    sm90::mbarrier_init(base + F::kBarQ, 128);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
+  const int wtid = threadIdx.x % 128;
+  if (wg == 2) {
+    sm90::setmaxnreg_dec<W::kProducerRegs>();
+    const CtaWork work = cta_work(p, F::kHeads);
+    produce_raw_blocks(p, smem, work, blocks_of(work), wtid);
+    return;
+  }
+  sm90::setmaxnreg_inc<W::kConsumerRegs>();
+  const CtaWork work = cta_work(p, F::kHeads);
+  const int num_blocks = blocks_of(work);
+
+  // ---- consumers: group wg takes blocks wg, wg + 2, ... --------------------------------------
+  const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
+  const uint32_t q_tiles = base + F::kQ, pt_tile = base + F::kPt + wg * F::kTileBytes;
+  float* warp_heads = reinterpret_cast<float*>(smem + F::kWarpHeads) + wg * 4 * F::kHeads;
+  float* merge = reinterpret_cast<float*>(smem + F::kMerge);  // [group][m, l, max][16]
+  // Every stored value is code · k_scale, so k_scale multiplies S and O.
+  const float value_scale = p.k_scale;
+  float scale_log2 = p.sm_scale * value_scale * kLog2e;  // times 2^shift once Q has landed
+  // Sᵀ: this thread's rows (M indices 16w + g + 8r) in the buffer, and their chunk 4u + q.
+  const int m_own[2] = {16 * warp + g, 16 * warp + g + 8};
+  const uint32_t s_off[2] = {uint32_t(fp8_row_of(m_own[0]) * F::kRowStride + 16 * q),
+                             uint32_t(fp8_row_of(m_own[1]) * F::kRowStride + 16 * q)};
+  // Oᵀ: keys 2q, 2q + 1, 2q + 8, 2q + 9 of a k16 step, at this thread's 16 dims.
+  const int dim_chunk = 8 * warp + 4 * (g & 1) + g / 2;
+  uint32_t v_off[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    v_off[i] =
+        uint32_t(fp8_row_of(2 * q + (i & 1) + 8 * (i >> 1)) * F::kRowStride + 16 * dim_chunk);
+  const uint64_t dq = sm90::smem_desc_sw128(q_tiles, 16, 1024);
+  const uint64_t dp = sm90::smem_desc_sw128(pt_tile, 16, 1024);
+
+  float o[8][8];
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[mt][i] = 0.f;
+  float s[8];
+  FewHeadsSoftmax softmax;
+  // Sᵀ = K · Qᵀ of the block in `buffer`, retired on return: column group u's codes loaded one
+  // group ahead, widened into A fragment set u % 2 once the MMAs of group u - 2 have retired (a
+  // set stays allocated until the wait that retires its MMAs: fence_operands).
+  const auto compute_s = [&](uint32_t buffer) {
+    uint32_t as[2][4][4];
+    uint4 raw[2][2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) raw[0][r] = sm90::ld_shared_u32x4(buffer + s_off[r]);
+#pragma unroll
+    for (int u = 0; u < F::kGroups; ++u) {
+      if (u + 1 < F::kGroups)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          raw[(u + 1) % 2][r] = sm90::ld_shared_u32x4(buffer + s_off[r] + 64 * (u + 1));
+      uint32_t(&a)[4][4] = as[u % 2];
+      if (u >= 2) {
+        sm90::wgmma_wait<1>();
+        sm90::fence_operands(a);
+      }
+      const uint32_t w[2][4] = {
+          {raw[u % 2][0].x, raw[u % 2][0].y, raw[u % 2][0].z, raw[u % 2][0].w},
+          {raw[u % 2][1].x, raw[u % 2][1].y, raw[u % 2][1].z, raw[u % 2][1].w}};
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        e4m3x4_to_f16x2x2(w[0][st], a[st][0], a[st][2]);
+        e4m3x4_to_f16x2x2(w[1][st], a[st][1], a[st][3]);
+      }
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+        sm90::wgmma_m64n16k16_rs<kAb>(s, a[st], dq + uint64_t((u * F::kTileBytes + 32 * st) >> 4),
+                                      u > 0 || st > 0);
+      sm90::wgmma_commit();
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(s);
+    sm90::fence_operands(as[0]);
+    sm90::fence_operands(as[1]);
+  };
+
+  // Oᵀ += Vᵀ · Pᵀ of the block in `buffer`, retired on return: per k16 step the four keys' 16
+  // codes, tiles 0-3 then 4-7 each widened into a set once the MMAs two batches back have
+  // retired. Releases the buffer after its last read. (Retiring Oᵀ only in the next block's Sᵀ
+  // makes ptxas serialize every wgmma of the kernel.)
+  const auto compute_o = [&](uint32_t buffer, uint32_t empty_bar) {
+    uint32_t ao[2][4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      uint4 raw[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        raw[i] = sm90::ld_shared_u32x4(buffer + 16 * ks * F::kRowStride + v_off[i]);
+      if (ks == 3) sm90::mbarrier_arrive(empty_bar);
+      const uint32_t w[4][4] = {{raw[0].x, raw[0].y, raw[0].z, raw[0].w},
+                                {raw[1].x, raw[1].y, raw[1].z, raw[1].w},
+                                {raw[2].x, raw[2].y, raw[2].z, raw[2].w},
+                                {raw[3].x, raw[3].y, raw[3].z, raw[3].w}};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int batch = 2 * ks + half;
+        uint32_t(&a)[4][4] = ao[batch % 2];
+        if (batch >= 2) {
+          sm90::wgmma_wait<1>();
+          sm90::fence_operands(a);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int mt = 4 * half + i, word = mt / 2;
+          const uint32_t sel = mt % 2 == 0 ? 0x5140u : 0x7362u;  // bytes 0, 1 or 2, 3 paired
+          e4m3x4_to_f16x2x2(__byte_perm(w[0][word], w[1][word], sel), a[i][0], a[i][1]);
+          e4m3x4_to_f16x2x2(__byte_perm(w[2][word], w[3][word], sel), a[i][2], a[i][3]);
+        }
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          sm90::wgmma_m64n16k16_rs<kAb>(o[4 * half + i], a[i], dp + uint64_t((32 * ks) >> 4), 1);
+        sm90::wgmma_commit();
+      }
+    }
+    sm90::wgmma_wait<0>();
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) sm90::fence_operands(o[mt]);
+    sm90::fence_operands(ao[0]);
+    sm90::fence_operands(ao[1]);
+  };
+
+  const int my_blocks = (num_blocks - wg + 1) / 2;
+  if (my_blocks > 0) {
+    sm90::mbarrier_wait(base + F::kBarQ, 0);
+    scale_log2 *= __int_as_float((127 + *reinterpret_cast<const int*>(smem + F::kQShift)) << 23);
+  }
+  // The locations of this thread's two Sᵀ rows of its group's next block (validity only).
+  const auto rows_ok = [&](int blk, bool(&ok)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      ok[r] = slot_location(p, work, blk * F::kBlock + fp8_row_of(m_own[r])) >= 0;
+  };
+  bool ok[2] = {false, false};
+  if (my_blocks > 0) rows_ok(wg, ok);
+
+#pragma unroll 1
+  for (int n = 0; n < my_blocks; ++n) {
+    const int blk = 2 * n + wg, stage = blk % F::kStages;
+    const uint32_t buffer = base + F::kRing + stage * F::kStageBytes;
+    sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (blk / F::kStages) & 1);
+    bool ok_next[2] = {false, false};
+    if (n + 1 < my_blocks) rows_ok(blk + 2, ok_next);
+    sm90::fence_operands(s);
+    compute_s(buffer);
+
+    softmax.block(s, o, ok, warp_heads, F::kSyncHeads + wg, scale_log2, warp, g, q);
+    ok[0] = ok_next[0];
+    ok[1] = ok_next[1];
+
+    // ---- Pᵀ to shared memory: matrix mi = 2 j + r is M indices 16 w + 8 r .., heads 8 j .. --
+    {
+      const int mi = lane / 8, j = mi / 2, r = mi % 2;
+      sm90::stmatrix_x4_trans(pt_tile + sm90::swizzled_chunk(8 * j + lane % 8, 2 * warp + r),
+                              pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
+                              pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
+    }
+    sm90::fence_proxy_async_shared();
+    sm90::named_barrier_sync(F::kSyncPt + wg, 128);
+
+    // ---- Oᵀ += Vᵀ · Pᵀ ----------------------------------------------------------------------
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) sm90::fence_operands(o[mt]);
+    compute_o(buffer, base + F::kBarEmpty + 8 * stage);
+  }
+
+  // ---- epilogue: the two groups merged, normalize, write -------------------------------------
+  // Once both groups' (m, l, max) are in, both are done with the ring (every block the producer
+  // copied has been read: buffer 0 is free for WG1's scaled Oᵀ).
+  float total[4], factor[4], offset[4];
+  float* staged = reinterpret_cast<float*>(smem + F::kRing);  // [64 values][128 threads]
+  softmax.merge_and_stage(o, warp_heads, merge, staged, wg, wtid, F::kSyncHeads + wg, F::kSyncMerge,
+                          F::kSyncStaged, value_scale, total, factor, offset);
+  if (wg == 1) return;
+#pragma unroll
+  for (int hi = 0; hi < 4; ++hi) {
+    const int head = work.head0 + FewHeadsSoftmax::head_of(hi, q);
+    if (head >= p.num_heads) continue;
+    const int64_t th = work.t * p.num_heads + head;
+    // Dims [16 dim_chunk, + 16): value 2 mt + r is accumulator 4 (hi / 2) + 2 r + hi % 2 of mt.
+    uint32_t packed[8];
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+      float x[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = 4 * (hi / 2) + 2 * r + hi % 2;
+        x[r] = o[mt][i] * factor[hi] + staged[(mt * 8 + i) * 128 + wtid];
+      }
+      packed[mt] = pack_bf16x2(x[0], x[1]);
+    }
+    uint4* out = reinterpret_cast<uint4*>(p.o_lat + th * kDimLatent + 16 * dim_chunk);
+    out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    if (warp == 0 && g == 0) write_lse(p, th, head - work.head0, total[hi], offset[hi], merge);
+  }
+}
+
+// fp8-raw pools at H <= 16: one CTA per token (16 heads per CTA above that).
+template <KvLayout kLayout>
+cudaError_t run_sparse_mla_sm90_few_heads_fp8(const SparseMlaParams& params, cudaStream_t stream) {
+  using F = FewHeadsFp8Config;
+  if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
+  const int64_t num_groups = (params.num_heads + F::kHeads - 1) / F::kHeads;
+  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_fp8_kernel<kLayout>, 1>(
+      params, params.num_tokens * num_groups, F::kSmemBytes, stream);
+}
+
+}  // namespace dsakit::cuda::sparse_mla

@@ -1,0 +1,154 @@
+// The online softmax of the keys-on-M sparse kernels (few_heads_kernel.cuh,
+// few_heads_fp8_kernel.cuh): a consumer group of 128 threads over a CTA's 16 heads, with Sᵀ and
+// Oᵀ in the m64n16 accumulator layout (thread g = lane / 4, q = lane % 4 of warp w):
+//   s[4j + 2r + c]      = Sᵀ[row 16w + g + 8r][head 8j + 2q + c]      j, r, c in {0, 1}
+//   o[mt][4j + 2r + c]  = Oᵀ[a row of tile mt][head 8j + 2q + c]     mt < 8
+// so a thread holds 4 heads, hi = 2j + c. The kernels' two consumer groups each take their own
+// blocks and meet in the epilogue (merge_and_stage).
+#pragma once
+
+#include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_kernel.cuh"
+
+namespace dsakit::cuda::sparse_mla {
+
+struct FewHeadsSoftmax {
+  static constexpr int kHeads = 16;
+  // Per head hi of this thread: the exponent offset (as in the 64-head kernel: moves only when a
+  // block's max passes it by more than kRescaleSlack), the running sum of this thread's rows, the
+  // exact max of this group's blocks.
+  float m[4] = {-1e30f, -1e30f, -1e30f, -1e30f};
+  float l[4] = {0.f, 0.f, 0.f, 0.f};
+  float m_true[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+
+  __device__ static int head_of(int hi, int q) { return 8 * (hi / 2) + 2 * q + hi % 2; }
+
+  // One block: rows r with !ok[r] masked to -inf; the block's per-head max over the group
+  // (warp_heads: f32 [4 warps][16], named barrier `sync` of the group's 128 threads); O and l
+  // rescaled where the offset moves; s turned into P = exp2(s · scale_log2 − m) (S stays
+  // unscaled: the scale folds into the exponent).
+  __device__ __forceinline__ void block(float (&s)[8], float (&o)[8][8], const bool (&ok)[2],
+                                        float* warp_heads, int sync, float scale_log2, int warp,
+                                        int g, int q) {
+#pragma unroll
+    for (int hi = 0; hi < 4; ++hi) {
+      const int j = hi / 2, c = hi % 2;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) s[4 * j + 2 * r + c] = ok[r] ? s[4 * j + 2 * r + c] : -INFINITY;
+      float x = fmaxf(s[4 * j + c], s[4 * j + 2 + c]);
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+      if (g == 0) warp_heads[warp * kHeads + head_of(hi, q)] = x;
+    }
+    sm90::named_barrier_sync(sync, 128);
+    float m_new[4];
+    bool moved = false;
+#pragma unroll
+    for (int hi = 0; hi < 4; ++hi) {
+      const int head = head_of(hi, q);
+      float x = warp_heads[head];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) x = fmaxf(x, warp_heads[w * kHeads + head]);
+      const float block_max = x * scale_log2;
+      m_true[hi] = fmaxf(m_true[hi], block_max);
+      // false for NaN and for -inf
+      m_new[hi] = block_max > m[hi] + Sm90Config::kRescaleSlack ? block_max : m[hi];
+      moved |= m_new[hi] != m[hi];
+    }
+    if (moved) {
+#pragma unroll
+      for (int hi = 0; hi < 4; ++hi) {
+        const float alpha = exp2_approx(m[hi] - m_new[hi]);
+        l[hi] *= alpha;
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) o[mt][4 * (hi / 2) + 2 * r + hi % 2] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int hi = 0; hi < 4; ++hi) {
+      m[hi] = m_new[hi];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float& x = s[4 * (hi / 2) + 2 * r + hi % 2];
+        x = exp2_approx(fmaf(x, scale_log2, -m_new[hi]));
+        l[hi] += x;
+      }
+    }
+  }
+
+  // The epilogue's exchange: the group's per-head sums over its 128 threads (warp_heads, barrier
+  // `sync_heads`; the group's last barrier before it ordered every read of the maxima there),
+  // both groups' (m, l, max) through merge (f32 [2 groups][m, l, max][16], barrier `sync_merge`
+  // of both groups' 256 threads). Per head hi: total = the merged sum, offset = the merged
+  // offset, factor = what this group's O is scaled by (value_scale / total at its share; 0 where
+  // no slot was valid: total == 0 exactly then, the max slot contributing 1; NaN propagates).
+  __device__ __forceinline__ void merge_groups(float* warp_heads, float* merge, int wg, int warp,
+                                               int g, int q, int sync_heads, int sync_merge,
+                                               float value_scale, float (&total)[4],
+                                               float (&factor)[4], float (&offset)[4]) const {
+#pragma unroll
+    for (int hi = 0; hi < 4; ++hi) {
+      float x = l[hi];
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      if (g == 0) warp_heads[warp * kHeads + head_of(hi, q)] = x;
+    }
+    sm90::named_barrier_sync(sync_heads, 128);
+    if (warp == 0 && g == 0)
+#pragma unroll
+      for (int hi = 0; hi < 4; ++hi) {
+        const int head = head_of(hi, q);
+        float x = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) x += warp_heads[w * kHeads + head];
+        merge[(wg * 3 + 0) * kHeads + head] = m[hi];
+        merge[(wg * 3 + 1) * kHeads + head] = x;
+        merge[(wg * 3 + 2) * kHeads + head] = m_true[hi];
+      }
+    sm90::named_barrier_sync(sync_merge, 256);
+#pragma unroll
+    for (int hi = 0; hi < 4; ++hi) {
+      const int head = head_of(hi, q);
+      const float m0 = merge[0 * kHeads + head], m1 = merge[3 * kHeads + head];
+      offset[hi] = fmaxf(m0, m1);
+      const float f0 = exp2_approx(m0 - offset[hi]), f1 = exp2_approx(m1 - offset[hi]);
+      total[hi] = merge[1 * kHeads + head] * f0 + merge[4 * kHeads + head] * f1;
+      factor[hi] = total[hi] == 0.f ? 0.f : (wg == 0 ? f0 : f1) * value_scale / total[hi];
+    }
+  }
+
+  // merge_groups, then WG1's O scaled by its factors into staged (f32 [64 values][128 threads])
+  // for WG0 to add once both groups pass barrier `sync_staged` (256 threads); WG1 is done then.
+  __device__ __forceinline__ void merge_and_stage(const float (&o)[8][8], float* warp_heads,
+                                                  float* merge, float* staged, int wg, int wtid,
+                                                  int sync_heads, int sync_merge, int sync_staged,
+                                                  float value_scale, float (&total)[4],
+                                                  float (&factor)[4], float (&offset)[4]) const {
+    const int warp = wtid / 32, g = wtid % 32 / 4, q = wtid % 4;
+    merge_groups(warp_heads, merge, wg, warp, g, q, sync_heads, sync_merge, value_scale, total,
+                 factor, offset);
+    if (wg == 1)
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)  // accumulator i = 4 j + 2 r + c holds head hi = 2 j + c
+          staged[(mt * 8 + i) * 128 + wtid] = o[mt][i] * factor[2 * (i / 4) + i % 2];
+    sm90::named_barrier_sync(sync_staged, 256);
+  }
+};
+
+// lse (natural log; +inf where no slot was valid) and max_logits (if asked) of row th = (token,
+// head), head h of the CTA's 16, from merge_groups' total / offset and the merged maxima.
+__device__ __forceinline__ void write_lse(const SparseMlaParams& p, int64_t th, int h, float total,
+                                          float offset, const float* merge) {
+  constexpr int kHeads = FewHeadsSoftmax::kHeads;
+  p.lse[th] = total == 0.f ? INFINITY : (offset + log2f(total)) * kLn2;
+  if (p.max_logits != nullptr)
+    p.max_logits[th] =
+        total == 0.f ? -INFINITY : fmaxf(merge[2 * kHeads + h], merge[5 * kHeads + h]) * kLn2;
+}
+
+}  // namespace dsakit::cuda::sparse_mla
