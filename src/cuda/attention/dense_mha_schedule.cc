@@ -174,6 +174,29 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
       }
     }
   }
+  if (s.parts > 1) {
+    // Each split tile's rows (q * H + h, contiguous) join the merge, in runs of rows with one
+    // part count; more segments than one merge launch takes: the whole tiles instead.
+    int32_t merged = 0;
+    for (size_t i = 0; i < whole.size(); ++i) {
+      const int32_t runs = runs_of(i, best_run[i]);
+      if (runs == 1) continue;
+      const DenseTile& t = whole[i].tile;
+      const int64_t row_begin = int64_t(t.q_begin) * num_heads;
+      MergeSegment* last = s.merge_segments.empty() ? nullptr : &s.merge_segments.back();
+      if (last == nullptr || last->parts != runs ||
+          last->row_begin + (merged - last->merged_begin) != row_begin)
+        s.merge_segments.push_back({row_begin, merged, runs});
+      merged += int32_t(t.q_len * num_heads);
+    }
+    s.merged_rows = merged;
+    if (s.merge_segments.size() > size_t(kMergeMaxSegments)) {
+      s.parts = 1;
+      s.merge_segments.clear();
+      s.merged_rows = 0;
+      for (size_t i = 0; i < whole.size(); ++i) best_run[i] = whole[i].blocks;
+    }
+  }
   // The tiles with their units, costliest first (stable: ties in batch order).
   std::vector<std::pair<int64_t, DenseTile>> costed;
   costed.reserve(whole.size() * size_t(s.parts));
@@ -197,32 +220,6 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
                    [](const auto& x, const auto& y) { return x.first > y.first; });
   s.tiles.reserve(costed.size());
   for (const auto& [cost, tile] : costed) s.tiles.push_back(tile);
-  if (s.parts > 1) {
-    // Each split tile's rows (q * H + h, contiguous) join the merge, in runs of rows with one
-    // part count.
-    int32_t merged = 0;
-    for (size_t i = 0; i < whole.size(); ++i) {
-      const int32_t runs = runs_of(i, best_run[i]);
-      if (runs == 1) continue;
-      const DenseTile& t = whole[i].tile;
-      const int64_t row_begin = int64_t(t.q_begin) * num_heads;
-      MergeSegment* last = s.merge_segments.empty() ? nullptr : &s.merge_segments.back();
-      if (last == nullptr || last->parts != runs ||
-          last->row_begin + (merged - last->merged_begin) != row_begin)
-        s.merge_segments.push_back({row_begin, merged, runs});
-      merged += int32_t(t.q_len * num_heads);
-    }
-    s.merged_rows = merged;
-    if (s.merge_segments.size() > size_t(kMergeMaxSegments)) {
-      // Too many segments for one merge launch: the whole tiles, costliest first.
-      const bool few_waves = s.few_waves;
-      s = DenseSchedule{};
-      s.few_waves = few_waves;
-      std::stable_sort(whole.begin(), whole.end(),
-                       [](const WholeTile& x, const WholeTile& y) { return x.cost > y.cost; });
-      for (const WholeTile& w : whole) s.tiles.push_back(w.tile);
-    }
-  }
   return s;
 }
 

@@ -51,7 +51,7 @@
 namespace dsakit::cuda::sparse_mla {
 
 struct FewHeadsFp8Config {
-  static constexpr int kHeads = 16;  // heads per CTA (wgmma N)
+  static constexpr int kHeads = FewHeadsSoftmax::kHeads;  // heads per CTA (wgmma N)
   static constexpr int kBlock = 64;  // rows per block (wgmma M of Sᵀ, K of Oᵀ)
   static constexpr int kStages = 4;
   static constexpr int kRowStride = kDimQk + 16;  // 592: see the row order
@@ -232,11 +232,7 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
   const uint64_t dq = sm90::smem_desc_sw128(q_tiles, 16, 1024);
   const uint64_t dp = sm90::smem_desc_sw128(pt_tile, 16, 1024);
 
-  float o[8][8];
-#pragma unroll
-  for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[mt][i] = 0.f;
+  float o[8][8] = {};
   float s[8];
   FewHeadsSoftmax softmax;
   // Sᵀ = K · Qᵀ of the block in `buffer`, retired on return: column group u's codes loaded one
@@ -377,11 +373,7 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
   softmax.merge_and_stage(o, warp_heads, merge, staged, wg, wtid, F::kSyncHeads + wg, F::kSyncMerge,
                           F::kSyncStaged, value_scale, total, factor, offset);
   if (wg == 1) return;
-#pragma unroll
-  for (int hi = 0; hi < 4; ++hi) {
-    const int head = work.head0 + FewHeadsSoftmax::head_of(hi, q);
-    if (head >= p.num_heads) continue;
-    const int64_t th = work.t * p.num_heads + head;
+  write_heads(p, work, warp, g, q, total, offset, merge, [&](int hi, int64_t th) {
     // Dims [16 dim_chunk, + 16): value 2 mt + r is accumulator 4 (hi / 2) + 2 r + hi % 2 of mt.
     uint32_t packed[8];
 #pragma unroll
@@ -397,8 +389,7 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
     uint4* out = reinterpret_cast<uint4*>(p.o_lat + th * kDimLatent + 16 * dim_chunk);
     out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    if (warp == 0 && g == 0) write_lse(p, th, head - work.head0, total[hi], offset[hi], merge);
-  }
+  });
 }
 
 // fp8-raw pools at H <= 16: one CTA per token (16 heads per CTA above that).

@@ -48,7 +48,7 @@
 namespace dsakit::cuda::sparse_mla {
 
 struct FewHeadsConfig {
-  static constexpr int kHeads = 16;  // heads per CTA (wgmma N); H <= kHeads
+  static constexpr int kHeads = FewHeadsSoftmax::kHeads;  // heads per CTA (wgmma N); H <= kHeads
   using C = Sm90Config;
   static constexpr int kPt = C::kP1;                          // bf16 / f16 [2][16][64], swizzled
   static constexpr int kPtBytes = kHeads * 128;               // one group's Pᵀ tile
@@ -122,11 +122,7 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
   // The halves in the order the producer fills this group's buffer: WG0 L then R, WG1 R then L.
   const int first_half = wg;  // 0 = L, 1 = R
 
-  float o[8][8];
-#pragma unroll
-  for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[mt][i] = 0.f;
+  float o[8][8] = {};
   float s[8];
   FewHeadsSoftmax softmax;
 
@@ -214,11 +210,7 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
   softmax.merge_and_stage(o, warp_heads, merge, staged, wg, wtid, F::kSyncHeads + wg, F::kSyncMerge,
                           F::kSyncMerge, value_scale, total, factor, offset);
   if (wg == 1) return;
-#pragma unroll
-  for (int hi = 0; hi < 4; ++hi) {
-    const int head = work.head0 + FewHeadsSoftmax::head_of(hi, q);
-    if (head >= p.num_heads) continue;
-    const int64_t th = work.t * p.num_heads + head;
+  write_heads(p, work, warp, g, q, total, offset, merge, [&](int hi, int64_t th) {
     // bf16 bits, one value a store (a warp's store covers 4 heads x 8 consecutive dims).
     uint16_t* out = reinterpret_cast<uint16_t*>(p.o_lat + th * kDimLatent);
 #pragma unroll
@@ -229,8 +221,7 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
         out[64 * mt + 16 * warp + g + 8 * r] =
             uint16_t(pack_bf16x2(o[mt][i] * factor[hi] + staged[(mt * 8 + i) * 128 + wtid], 0.f));
       }
-    if (warp == 0 && g == 0) write_lse(p, th, head - work.head0, total[hi], offset[hi], merge);
-  }
+  });
 }
 
 template <KvLayout kLayout>

@@ -78,12 +78,32 @@ struct FewHeadsSoftmax {
     }
   }
 
-  // The epilogue's exchange: the group's per-head sums over its 128 threads (warp_heads, barrier
-  // `sync_heads`; the group's last barrier before it ordered every read of the maxima there),
-  // both groups' (m, l, max) through merge (f32 [2 groups][m, l, max][16], barrier `sync_merge`
-  // of both groups' 256 threads). Per head hi: total = the merged sum, offset = the merged
-  // offset, factor = what this group's O is scaled by (value_scale / total at its share; 0 where
-  // no slot was valid: total == 0 exactly then, the max slot contributing 1; NaN propagates).
+  // merge_groups, then WG1's O scaled by its factors into staged (f32 [64 values][128 threads])
+  // for WG0 to add once both groups pass barrier `sync_staged` (256 threads); WG1 is done then.
+  __device__ __forceinline__ void merge_and_stage(const float (&o)[8][8], float* warp_heads,
+                                                  float* merge, float* staged, int wg, int wtid,
+                                                  int sync_heads, int sync_merge, int sync_staged,
+                                                  float value_scale, float (&total)[4],
+                                                  float (&factor)[4], float (&offset)[4]) const {
+    const int warp = wtid / 32, g = wtid % 32 / 4, q = wtid % 4;
+    merge_groups(warp_heads, merge, wg, warp, g, q, sync_heads, sync_merge, value_scale, total,
+                 factor, offset);
+    if (wg == 1)
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)  // accumulator i = 4 j + 2 r + c holds head hi = 2 j + c
+          staged[(mt * 8 + i) * 128 + wtid] = o[mt][i] * factor[2 * (i / 4) + i % 2];
+    sm90::named_barrier_sync(sync_staged, 256);
+  }
+
+ private:
+  // merge_and_stage's first part: the group's per-head sums over its 128 threads (warp_heads,
+  // barrier `sync_heads`; the group's last barrier before it ordered every read of the maxima
+  // there), both groups' (m, l, max) through merge (f32 [2 groups][m, l, max][16], barrier
+  // `sync_merge` of both groups' 256 threads). Per head hi: total = the merged sum, offset = the
+  // merged offset, factor = what this group's O is scaled by (value_scale / total at its share; 0
+  // where no slot was valid: total == 0 exactly then, the max slot contributing 1; NaN propagates).
   __device__ __forceinline__ void merge_groups(float* warp_heads, float* merge, int wg, int warp,
                                                int g, int q, int sync_heads, int sync_merge,
                                                float value_scale, float (&total)[4],
@@ -119,36 +139,30 @@ struct FewHeadsSoftmax {
       factor[hi] = total[hi] == 0.f ? 0.f : (wg == 0 ? f0 : f1) * value_scale / total[hi];
     }
   }
-
-  // merge_groups, then WG1's O scaled by its factors into staged (f32 [64 values][128 threads])
-  // for WG0 to add once both groups pass barrier `sync_staged` (256 threads); WG1 is done then.
-  __device__ __forceinline__ void merge_and_stage(const float (&o)[8][8], float* warp_heads,
-                                                  float* merge, float* staged, int wg, int wtid,
-                                                  int sync_heads, int sync_merge, int sync_staged,
-                                                  float value_scale, float (&total)[4],
-                                                  float (&factor)[4], float (&offset)[4]) const {
-    const int warp = wtid / 32, g = wtid % 32 / 4, q = wtid % 4;
-    merge_groups(warp_heads, merge, wg, warp, g, q, sync_heads, sync_merge, value_scale, total,
-                 factor, offset);
-    if (wg == 1)
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-        for (int i = 0; i < 8; ++i)  // accumulator i = 4 j + 2 r + c holds head hi = 2 j + c
-          staged[(mt * 8 + i) * 128 + wtid] = o[mt][i] * factor[2 * (i / 4) + i % 2];
-    sm90::named_barrier_sync(sync_staged, 256);
-  }
 };
 
-// lse (natural log; +inf where no slot was valid) and max_logits (if asked) of row th = (token,
-// head), head h of the CTA's 16, from merge_groups' total / offset and the merged maxima.
-__device__ __forceinline__ void write_lse(const SparseMlaParams& p, int64_t th, int h, float total,
-                                          float offset, const float* merge) {
+// WG0's output: for each head hi of this thread below H, store(hi, th) writes its o_lat row
+// th = t · H + head; warp 0's lanes 0-3 (g = 0) also write lse (natural log; +inf where no slot
+// was valid) and max_logits (if asked), from merge_and_stage's total / offset and the merged
+// maxima.
+template <typename Store>
+__device__ __forceinline__ void write_heads(const SparseMlaParams& p, const CtaWork& work, int warp,
+                                            int g, int q, const float (&total)[4],
+                                            const float (&offset)[4], const float* merge,
+                                            Store&& store) {
   constexpr int kHeads = FewHeadsSoftmax::kHeads;
-  p.lse[th] = total == 0.f ? INFINITY : (offset + log2f(total)) * kLn2;
-  if (p.max_logits != nullptr)
-    p.max_logits[th] =
-        total == 0.f ? -INFINITY : fmaxf(merge[2 * kHeads + h], merge[5 * kHeads + h]) * kLn2;
+#pragma unroll
+  for (int hi = 0; hi < 4; ++hi) {
+    const int h = FewHeadsSoftmax::head_of(hi, q), head = work.head0 + h;
+    if (head >= p.num_heads) continue;
+    const int64_t th = work.t * p.num_heads + head;
+    store(hi, th);
+    if (warp != 0 || g != 0) continue;
+    p.lse[th] = total[hi] == 0.f ? INFINITY : (offset[hi] + log2f(total[hi])) * kLn2;
+    if (p.max_logits != nullptr)
+      p.max_logits[th] =
+          total[hi] == 0.f ? -INFINITY : fmaxf(merge[2 * kHeads + h], merge[5 * kHeads + h]) * kLn2;
+  }
 }
 
 }  // namespace dsakit::cuda::sparse_mla
