@@ -3,7 +3,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstddef>
 #include <cstdint>
 
 namespace dsakit::bench {
@@ -14,12 +13,11 @@ struct RowGatherParams {
   const int32_t* topk_length;  // [T] or nullptr
   int64_t num_tokens;          // T
   int64_t num_locations;
-  int row_bytes;  // a multiple of 16
+  int row_bytes;  // a pool layout's: 1152, 656 or 576
   int topk;
   int ctas_per_token;  // the kernel's CTAs per token (head groups), each gathering all
 };
 
-size_t row_gather_smem_bytes(int row_bytes);
 cudaError_t launch_row_gather(const RowGatherParams& p, cudaStream_t stream);
 
 }  // namespace dsakit::bench

@@ -71,6 +71,12 @@ struct SparseCase {
   // moves again and again across blocks (the wgmma kernel's deferred O rescale). Pools with a
   // bf16 rope only (the fp8-raw pool's codes saturate at 448 · k_scale).
   double trend = 0;
+  // Values rising with the pool location: c_kv[i] times 2^(value_trend · i), its 128-column tile
+  // t also times 2^(3t - 5), and each token's indices in ascending order, so a 656-byte pool's
+  // tile scales differ and grow across blocks (the keys-on-M FP8 kernel's per-tile running
+  // scale, few_heads_fp8_kernel.cuh). sm_scale is divided by the largest gain, so the logits stay
+  // within a few units (fp32 logits of thousands would miss lse's absolute tolerance).
+  double value_trend = 0;
 };
 
 struct SparseResult {
@@ -97,7 +103,15 @@ class CudaSparseMla : public CudaAttention {
 
     Tensor c_kv = testing::random_tensor(rng, DType::kBF16, {n, kDc}, 0.5f);
     Tensor k_pe = testing::random_tensor(rng, DType::kBF16, {n, kDr}, 0.5f);
-    const double sm_scale = 1.0 / std::sqrt(192.0) / c.q_stddev;
+    const int max_gain = int(std::lround((n - 1) * c.value_trend)) + 4;  // log2, value_trend only
+    const double sm_scale =
+        1.0 / std::sqrt(192.0) / c.q_stddev / (c.value_trend != 0 ? std::ldexp(1.0, max_gain) : 1);
+    for (int i = 0; i < n && c.value_trend != 0; ++i)
+      for (int d = 0; d < kDc; ++d) {
+        bf16_t& x = c_kv.ptr<bf16_t>()[int64_t(i) * kDc + d];
+        x = f32_to_bf16(
+            std::ldexp(bf16_to_f32(x), int(std::lround(i * c.value_trend)) + 3 * (d / 128) - 5));
+      }
     for (int i = 0; i < n && c.trend != 0; ++i)
       k_pe.ptr<bf16_t>()[int64_t(i) * kDr] =
           f32_to_bf16(float(double(i) * c.trend / (sm_scale * c.q_stddev * 1.4426950408889634)));
@@ -130,7 +144,8 @@ class CudaSparseMla : public CudaAttention {
         idx[size_t(t) * k + j] = v;
       }
       len[size_t(t)] = int32_t(rng.randint(0, k + 3));
-      if (c.trend != 0) std::sort(idx.begin() + int64_t(t) * k, idx.begin() + int64_t(t + 1) * k);
+      if (c.trend != 0 || c.value_trend != 0)
+        std::sort(idx.begin() + int64_t(t) * k, idx.begin() + int64_t(t + 1) * k);
     }
     if (t_n > 1)
       for (int j = 0; j < k; ++j) idx[size_t(k) + j] = (j % 2) ? -1 : n;  // no valid slot
@@ -267,6 +282,9 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kBf16, 3, 16, 700, true, ScalePolicy::kAmax, 3e4f},
       {KvLayout::kBf16, 3, 16, 2048, true, ScalePolicy::kAmax, 1.f, 0.5},
       {KvLayout::kFp8Scaled, 4, 5, 2048, true, ScalePolicy::kPow2},
+      // 656-byte tile scales spread over 2^9 within a row and growing 2^12 across the pool.
+      {KvLayout::kFp8Scaled, 3, 16, 2048, true, ScalePolicy::kPow2, 1.f, 0, 0.008},
+      {KvLayout::kFp8Scaled, 3, 40, 1000, false, ScalePolicy::kPow2, 1.f, 0, 0.008},
   };
   for (const SparseCase& c : cases)
     for (const std::string kernel : {"sm80", "sm90", "sm90-h64", "sm90-h16"}) {
@@ -293,7 +311,8 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
                    << "seed " << seed << " kernel " << kernel << " layout " << to_string(c.layout)
                    << " scales " << to_string(c.scale_policy) << " T " << c.num_tokens << " H "
                    << c.num_heads << " k " << c.topk << " topk_length " << c.use_topk_length
-                   << " q_stddev " << c.q_stddev << " trend " << c.trend);
+                   << " q_stddev " << c.q_stddev << " trend " << c.trend << " value_trend "
+                   << c.value_trend);
       if (wgmma && c.layout == KvLayout::kFp8Scaled && c.scale_policy == ScalePolicy::kAmax) {
         // The wgmma kernel widens code x scale to bf16: exact for pow2 scales only, so it
         // refuses amax-scaled pools rather than round their values.
@@ -310,22 +329,28 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
     }
 }
 
-// The fp8-raw keys-on-M kernel (few_heads_fp8_kernel.cuh) alone, small enough for racecheck:
-// block counts that give its two consumer groups equal shares, unequal ones and none (k = 129:
-// three blocks; token 1 reads nothing), at 16 heads, 7, and 32 (two 16-head groups, forced).
-TEST_F(CudaSparseMla, Fp8RawKeysOnMKernelMatchesReference) {
-  if (!cuda::attention::dispatch_sparse_mla_sm90_few_heads(KvLayout::kFp8Raw, [](auto) {}))
-    GTEST_SKIP() << "no keys-on-M instance for fp8-raw";
+// The FP8 keys-on-M kernel (few_heads_fp8_kernel.cuh) alone on both FP8 layouts, small enough
+// for racecheck: block counts that give its two consumer groups equal shares, unequal ones and
+// none (k = 129: three blocks; token 1 reads nothing), at 16 heads, 7, and 32 (two 16-head
+// groups, forced).
+TEST_F(CudaSparseMla, Fp8KeysOnMKernelMatchesReference) {
   const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", "sm90");
   const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", "16");
-  for (const SparseCase& c : {SparseCase{KvLayout::kFp8Raw, 3, 16, 2048, true},
-                              SparseCase{KvLayout::kFp8Raw, 3, 7, 129, false},
-                              SparseCase{KvLayout::kFp8Raw, 2, 32, 300, true}}) {
-    const uint64_t seed = testing::fresh_seed();
-    SCOPED_TRACE(::testing::Message()
-                 << "seed " << seed << " H " << c.num_heads << " k " << c.topk);
-    expect_matches_reference(c, run(c, seed));
+  int ran = 0;
+  for (const KvLayout layout : {KvLayout::kFp8Raw, KvLayout::kFp8Scaled}) {
+    if (!cuda::attention::dispatch_sparse_mla_sm90_few_heads(layout, [](auto) {})) continue;
+    const ScalePolicy pow2 = ScalePolicy::kPow2;  // fp8-raw pools ignore it
+    for (const SparseCase& c :
+         {SparseCase{layout, 3, 16, 2048, true, pow2}, SparseCase{layout, 3, 7, 129, false, pow2},
+          SparseCase{layout, 2, 32, 300, true, pow2}}) {
+      const uint64_t seed = testing::fresh_seed();
+      SCOPED_TRACE(::testing::Message() << "seed " << seed << " layout " << to_string(layout)
+                                        << " H " << c.num_heads << " k " << c.topk);
+      expect_matches_reference(c, run(c, seed));
+      ++ran;
+    }
   }
+  if (ran == 0) GTEST_SKIP() << "no keys-on-M instance for FP8 pools";
 }
 
 // Every e4m3 code at every column reads as its exact value: pool bytes written directly (each

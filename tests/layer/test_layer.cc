@@ -577,9 +577,9 @@ TEST_P(LayerTest, AutoSparseFormRunsThePlansForm) {
 // docs/layer.md#staged-rows: the sparse path reading an FP8 pool through a bf16 copy of the
 // batch's context rows reads the same values, so over chunked prefill with a cached prefix and
 // decode steps it returns the same outputs as reading the pool: the same bits where the
-// arithmetic is the same (the CPU; CUDA's 656-byte pools, whose kernel widens to the bf16 that
-// the copy holds), within the same-path bounds where it is not (CUDA's fp8-raw kernel multiplies
-// f16 codes), and the float64 reference's values either way.
+// arithmetic is the same (the CPU), within the same-path bounds where it is not (CUDA at 16
+// heads: its FP8 kernel multiplies f16 codes, per scale tile on 656-byte pools), and the float64
+// reference's values either way.
 TEST_P(LayerTest, StagedRowsReadThePoolsValues) {
   struct Case {
     KvLayout layout;
@@ -587,7 +587,7 @@ TEST_P(LayerTest, StagedRowsReadThePoolsValues) {
     float k_scale;
     bool same_bits_on_bf16_backends;
   };
-  for (Case cs : {Case{KvLayout::kFp8Scaled, ScalePolicy::kPow2, 1.0f, true},
+  for (Case cs : {Case{KvLayout::kFp8Scaled, ScalePolicy::kPow2, 1.0f, false},
                   Case{KvLayout::kFp8Raw, ScalePolicy::kAmax, 0.5f, false}}) {
     const uint64_t seed = fresh_seed();
     SCOPED_TRACE(::testing::Message() << to_string(cs.layout) << " seed " << seed);
@@ -929,8 +929,9 @@ TEST_P(LayerTest, DcpEqualsSingleRank) {
 }
 
 // docs/layer.md#staged-rows under DCP: each rank copies the rows it owns, its selected positions
-// map to their rows in the copy, and the ranks' outputs are those of reading their pools — the
-// same bits (a pow2 656-byte pool: the same values, the same arithmetic) and the same top-k.
+// map to their rows in the copy, and the ranks' outputs are those of reading their pools: the
+// same top-k, and the same o / lse bits where the arithmetic is the same (a pow2 656-byte pool
+// on the CPU), within the same-path bounds where it is not (CUDA's FP8 kernel at 16 heads).
 TEST_P(LayerTest, DcpStagedRowsEqualPoolRows) {
   for (int world : {2, 4}) {
     const uint64_t seed = fresh_seed();
@@ -941,7 +942,8 @@ TEST_P(LayerTest, DcpStagedRowsEqualPoolRows) {
     KvPoolDesc pd = h.kd;
     pd.scale_policy = ScalePolicy::kPow2;
     pd.num_pages = 8;
-    std::vector<uint64_t> sums[2];
+    std::vector<uint64_t> topk_sums[2];
+    std::vector<std::vector<double>> outs[2], lses[2];
     for (SparseRows rows : {SparseRows::kPool, SparseRows::kStaged}) {
       LayerOptions o;
       o.output_dtype = bf16_mid(h) ? DType::kBF16 : DType::kF32;
@@ -963,13 +965,24 @@ TEST_P(LayerTest, DcpStagedRowsEqualPoolRows) {
         bool staged = false;
         for (const StageTime& st : res.stages) staged |= st.stage == "stage_rows";
         EXPECT_EQ(staged, rows == SparseRows::kStaged) << "step " << step;
-        auto& out = sums[rows == SparseRows::kStaged];
-        out.push_back(testing::checksum(h.be->to_host(res.o)));
-        out.push_back(testing::checksum(h.be->to_host(res.lse)));
-        out.push_back(testing::checksum(h.be->to_host(res.topk)));
+        const bool s = rows == SparseRows::kStaged;
+        outs[s].push_back(testing::to_double(h.be->to_host(res.o).view()));
+        lses[s].push_back(testing::to_double(h.be->to_host(res.lse).view()));
+        topk_sums[s].push_back(testing::checksum(h.be->to_host(res.topk)));
       }
     }
-    EXPECT_EQ(sums[0], sums[1]);
+    EXPECT_EQ(topk_sums[0], topk_sums[1]);
+    ASSERT_EQ(outs[0].size(), outs[1].size());
+    for (size_t step = 0; step < outs[0].size(); ++step) {
+      if (!bf16_mid(h)) {
+        EXPECT_EQ(outs[0][step], outs[1][step]) << "step " << step;
+        EXPECT_EQ(lses[0][step], lses[1][step]) << "step " << step;
+      } else {
+        EXPECT_LE(testing::rel_l2(outs[0][step], outs[1][step]), tol_f32(h)) << "step " << step;
+        EXPECT_LE(testing::max_abs_diff(lses[0][step], lses[1][step]), testing::kTolLse)
+            << "step " << step;
+      }
+    }
   }
 }
 

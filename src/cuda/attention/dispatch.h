@@ -49,9 +49,9 @@ bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
 // The H <= 16 wgmma kernel (keys on M): its largest head count by default, and its instances.
 inline constexpr int kSparseMlaSm90FewHeads = 16;
 // Whether the keys-on-M kernel runs H heads on this layout when forced (16 heads per CTA): the
-// fp8-raw one takes any H in CTAs of 16 heads (few_heads_fp8_kernel.cuh), the others H <= 16.
+// FP8 ones take any H in CTAs of 16 heads (few_heads_fp8_kernel.cuh), the bf16 one H <= 16.
 inline bool sparse_mla_sm90_few_heads_take(KvLayout layout, int64_t num_heads) {
-  return num_heads <= kSparseMlaSm90FewHeads || layout == KvLayout::kFp8Raw;
+  return num_heads <= kSparseMlaSm90FewHeads || layout != KvLayout::kBf16;
 }
 
 template <typename F>

@@ -25,10 +25,9 @@
   X(kFp8Scaled)                             \
   X(kFp8Raw)
 
-// Sparse MLA, wgmma kernel for H <= 16 with keys on M (few_heads_kernel.cuh): X(layout). On the
-// 656-byte pool with two producer warpgroups (one measured slower than the 64-head kernel, run
-// K1); on fp8-raw the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh), 16
-// heads a CTA at any H when forced (DSAKIT_SPARSE_MLA_SM90_HEADS=16).
+// Sparse MLA, wgmma kernel for H <= 16 with keys on M (few_heads_kernel.cuh): X(layout). On FP8
+// pools the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh), 16 heads a CTA
+// at any H when forced (DSAKIT_SPARSE_MLA_SM90_HEADS=16).
 #define DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(X) \
   X(kBf16)                                            \
   X(kFp8Scaled)                                       \

@@ -1,47 +1,68 @@
-// Sparse MLA on Hopper for few heads (H <= 16 per CTA) on the fp8-raw pool (576 e4m3 codes a row,
-// one scale for the pool): the rows gathered as codes, widened in the consumers' registers.
-// Same contract and numerics as the other sparse kernels (f16 operands: the codes exactly, Q
-// scaled by a power of two into f16's range, P rounded to f16).
+// Sparse MLA on Hopper for few heads (H <= 16 per CTA) on FP8 pools: the rows gathered as
+// stored, their codes widened in the consumers' registers. Two layouts:
+//   fp8-raw (576 B: 576 e4m3 codes, one scale for the pool);
+//   656-byte (512 e4m3 codes | 4 fp32 scales, one per 128 columns | 64 bf16 rope values).
+// Same contract and numerics as the other sparse kernels: the codes exactly in f16, Q scaled by a
+// power of two into f16's range, P rounded to f16 (656-byte: P times the ratio of each key's tile
+// scale to the group's running scale, below).
 //
 // Keys on the wgmma M dimension as in few_heads_kernel.cuh, but both products take A from
 // registers, so the pool's codes never pass through shared memory as 16-bit values:
 //   Sᵀ[m, h] = K[m, :] · Q[h, :]     A = 64 keys' codes widened to f16 (k16 steps of 576 columns),
 //                                    B = Q (16 heads, K-major, columns permuted, below)
 //   Oᵀ[d, h] += Vᵀ[d, m] · Pᵀ[m, h]  A = the same codes read across keys (dims on M), widened,
-//                                    B = Pᵀ, a [16 heads][64 keys] f16 tile per group
+//                                    B = Pᵀ, [16 heads][64 keys] f16 tiles per group
 // A wgmma with A in registers reads only B from shared memory, 0.5 KB a k16 step at N = 16.
 //
-// One CTA of three warpgroups per (token, 16-head group): WG2 (producer) copies Q once (f16,
-// permuted), then each block of 64 selected rows as codes by cp.async into a ring of kStages
-// buffers (invalid rows zero-filled); block i goes to buffer i % kStages and is taken by consumer
-// group i % 2 (WG0 / WG1), each with its own online softmax over all 512 dims; the groups' two
-// partial results meet in the epilogue (as in few_heads_kernel.cuh).
+// 656-byte pools: the scales are per (key, 128-column tile), so
+//   Sᵀ = Σ_t scale[:, t] ⊙ (codes_t · Q_tᵀ) + rope · Q_peᵀ: one f16 accumulator per tile (its
+//     scale applied in fp32 once the block's Sᵀ has retired) and the rope's bf16 values as A of
+//     bf16 MMAs (Q_pe in bf16, scaled by the same power of two as Q's f16 columns);
+//   Oᵀ's M tiles 2t, 2t + 1 are dims of tile t only, and their B is Pᵀ_t = Pᵀ ⊙ scale[:, t] / σ_t:
+//     four Pᵀ tiles a group. σ_t is the group's running power of two above every |scale| of tile
+//     t it has read (those rows of O rescaled when it grows), so each Pᵀ_t stays below P's bound
+//     (2^kRescaleSlack) in f16: rounded to 11 bits where P · scale / σ_t >= 2^-14, to 2^-24
+//     below; O_t / σ_t is what the group accumulates (its epilogue multiplies σ_t back).
+//
+// One CTA of three warpgroups per (token, 16-head group): WG2 (producer) copies Q once (permuted),
+// then each block of 64 selected rows as stored by cp.async into a ring of kStages buffers (5 of
+// 37 KB for fp8-raw rows, 4 of 41 KB for 656-byte ones; invalid rows zero-filled: codes, scales
+// and rope 0); block i goes to buffer i % kStages and is taken by consumer group i % 2 (WG0 /
+// WG1), each with its own online softmax over all 512 dims; the groups' two partial results meet
+// in the epilogue (as in few_heads_kernel.cuh).
 //
 // Row order. Buffer row j holds the block's slot j; M index m (the Sᵀ row, the Oᵀ k index, the
-// Pᵀ column) is buffer row rho(m), rho swapping bits 0 and 2 of m. With the row stride of 592
-// bytes (37 chunks of 16) every 16-byte shared-memory read of both products is conflict-free:
+// Pᵀ column) is buffer row rho(m), rho swapping bits 0 and 2 of m. With an odd row stride in
+// 16-byte chunks (37: 592 bytes; 41: 656) every shared-memory read of both products is
+// conflict-free:
 //   Sᵀ: lane (g, q) of warp w reads rows rho(16w + g), rho(16w + g + 8), chunk 4u + q for
-//     column group u (64 codes);
-//   Oᵀ: lane (g, q) reads rows rho(16ks + 2q + {0, 1, 8, 9}) at chunk c = 8w + 4(g & 1) + g / 2:
-//     dims [16c, 16c + 16) of each key, all its rows of every Oᵀ tile (below).
+//     column group u (64 codes); 656-byte rope chunks q, q + 4 of the rope (8 bf16 each);
+//   Oᵀ: lane (g, q) reads rows rho(16ks + 2q + {0, 1, 8, 9}): fp8-raw one 16-byte chunk
+//     c = 8w + 4(g & 1) + g / 2 of each (dims [16c, 16c + 16), all its rows of every Oᵀ tile);
+//     656-byte four 4-byte words, dims [128t + 4c', + 4) with c' = (g & 3) + 16(g / 4) + 4w (a
+//     word stride of 164 ≡ 4 mod 32 banks).
 // Column order (Sᵀ's k): codes 64u + 16q + 4s + e of a row (e < 4) are this lane's A pairs of
 // k16 step 4u + s: e = 0, 1 -> k = 2q, 2q + 1 (a[0] / a[1] by row), e = 2, 3 -> k = 2q + 8, + 9
 // (a[2] / a[3]); Q's columns are stored in the same order (logical k of step 4u + s holds Q's
-// column 64u + 16(k % 8 / 2) + 4s + (k / 8) * 2 + k % 2), so the dot product is unchanged.
-// Dim order (Oᵀ's M): row 64mt + 16w + g + 8r of Oᵀ tile mt is dim 16c + 2mt + r, so a lane's
-// 16 codes of one key are its rows of all 8 tiles, and its output is 16 consecutive dims a head.
+// column 64u + 16(k % 8 / 2) + 4s + (k / 8) * 2 + k % 2), so the dot product is unchanged. The
+// 656-byte rope: words e of rope chunk q + 4h are the pairs of step 2h + e / 2 (e even: k = 2q,
+// 2q + 1; odd: 2q + 8, + 9); Q_pe's tile holds, at logical k of step s, rope dim
+// 8(k % 8 / 2 + 4(s / 2)) + 4(s % 2) + 2(k / 8) + k % 2.
+// Dim order (Oᵀ's M): row 16w + g + 8r of Oᵀ tile mt is dim 16c + 2mt + r (fp8-raw: a lane's 16
+// codes of a key are its rows of all 8 tiles) or 128(mt / 2) + 4c' + 2(mt % 2) + r (656-byte: a
+// lane's word of tile t is its rows of M tiles 2t, 2t + 1).
 //
 // Accumulators (thread g = lane / 4, q = lane % 4 of warp w):
 //   s[4j + 2r + c]      = Sᵀ[m = 16w + g + 8r][head 8j + 2q + c]            j, r, c in {0, 1}
-//   o[mt][4j + 2r + c]  = Oᵀ[dim 16c + 2mt + r][head 8j + 2q + c]          mt < 8
+//   o[mt][4j + 2r + c]  = Oᵀ[dim of (mt, r) above][head 8j + 2q + c]       mt < 8
 // so a thread holds 4 heads, hi = 2j + c.
 //
 // Shared memory (bytes):
-//   Q    [9 tiles of 16 x 64 f16] 18432   K-major, 128-byte swizzled
-//   Pᵀ   [2 groups][16 x 64 f16]   4096   the same
-//   ring [kStages][64 rows][592]         codes as stored (576 bytes a row)
-//   mbarriers full / empty [kStages], q_full; the groups' per-warp head maxima / sums, the
-//   epilogue's (m, l, max); Q's power-of-two shift and the producer warps' |Q| maxima.
+//   Q    [9 tiles of 16 x 64 f16] 18432   K-major, 128-byte swizzled (656-byte: tile 8 bf16)
+//   Pᵀ   [2 groups][1 | 4][16 x 64 f16]   the same
+//   ring [kStages][64 rows][row stride]  rows as stored
+//   mbarriers full / empty [kStages], q_full; the groups' per-warp head maxima / sums and scale
+//   maxima, the epilogue's (m, l, max); Q's power-of-two shift and the producer warps' |Q| maxima.
 // The epilogue stages WG1's scaled Oᵀ (f32, 32 KB) in buffer 0 once both groups are done.
 #pragma once
 
@@ -50,26 +71,36 @@
 
 namespace dsakit::cuda::sparse_mla {
 
+template <KvLayout kLayout>
 struct FewHeadsFp8Config {
+  static_assert(kLayout == KvLayout::kFp8Raw || kLayout == KvLayout::kFp8Scaled);
+  static constexpr bool kScaled = kLayout == KvLayout::kFp8Scaled;  // the 656-byte layout
+  using Row = PoolRow<kLayout>;
   static constexpr int kHeads = FewHeadsSoftmax::kHeads;  // heads per CTA (wgmma N)
-  static constexpr int kBlock = 64;  // rows per block (wgmma M of Sᵀ, K of Oᵀ)
-  static constexpr int kStages = 4;
-  static constexpr int kRowStride = kDimQk + 16;  // 592: see the row order
+  static constexpr int kBlock = 64;                // rows per block (wgmma M of Sᵀ, K of Oᵀ)
+  static constexpr int kStages = kScaled ? 4 : 5;  // as many buffers as fit
+  static constexpr int kRowChunks = Row::kBytes / 16;  // 36 | 41 chunks of 16 bytes a row
+  // An odd number of chunks (see the row order): 592 | 656.
+  static constexpr int kRowStride = kScaled ? Row::kBytes : Row::kBytes + 16;
   static constexpr int kStageBytes = kBlock * kRowStride;
-  static constexpr int kGroups = kDimQk / 64;      // 9 column groups of 64 codes (4 k16 steps)
-  static constexpr int kTileBytes = kHeads * 128;  // [16][64] f16
+  static constexpr int kGroups = kDimQk / 64;          // 9 column groups of 64 values (4 k16 steps)
+  static constexpr int kCodeGroups = kScaled ? 8 : 9;  // those read as e4m3 codes
+  static constexpr int kTileBytes = kHeads * 128;      // [16][64] 16-bit
+  static constexpr int kPtTiles = kScaled ? 4 : 1;     // Pᵀ tiles a group (one per scale tile)
+  static_assert(kRowStride / 16 % 2 == 1 && kRowStride >= Row::kBytes);
 
   static constexpr int kQ = 0;
   static constexpr int kPt = kQ + kGroups * kTileBytes;
-  static constexpr int kRing = kPt + 2 * kTileBytes;
+  static constexpr int kRing = kPt + 2 * kPtTiles * kTileBytes;
   static constexpr int kBars = kRing + kStages * kStageBytes;
   static constexpr int kBarFull = kBars;                 // + 8 * stage
   static constexpr int kBarEmpty = kBars + 8 * kStages;  // + 8 * stage
   static constexpr int kBarQ = kBars + 16 * kStages;
-  static constexpr int kWarpHeads = kBarQ + 8;                // f32 [2][4][16]
-  static constexpr int kMerge = kWarpHeads + 4 * 2 * 4 * 16;  // f32 [2][3][16]: m, l, max
-  static constexpr int kQShift = kMerge + 4 * 2 * 3 * 16;     // i32
-  static constexpr int kQAmax = kQShift + 16;                 // u32 [4]
+  static constexpr int kWarpHeads = kBarQ + 8;                     // f32 [2][4][16]
+  static constexpr int kWarpScales = kWarpHeads + 4 * 2 * 4 * 16;  // f32 [2][4 warps][4 tiles]
+  static constexpr int kMerge = kWarpScales + 4 * 2 * 4 * 4;       // f32 [2][3][16]: m, l, max
+  static constexpr int kQShift = kMerge + 4 * 2 * 3 * 16;          // i32
+  static constexpr int kQAmax = kQShift + 16;                      // u32 [4]
   static constexpr int kSmemBytes = kQAmax + 16;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
   static_assert(kPt % 1024 == 0 && kRing % 16 == 0 && kBars % 8 == 0);
@@ -84,20 +115,21 @@ __device__ __forceinline__ int fp8_row_of(int m) {
   return (m & ~5) | ((m & 1) << 2) | ((m >> 2) & 1);
 }
 
-// Q of heads [head0, head0 + 16) as the Sᵀ B operand: f16 scaled by 2^-shift (load_q_f16's rule:
-// the largest finite |q| of the CTA lands in [2^14, 2^15)), columns in the permuted order. Thread
-// wtid of the producer's 128 takes head wtid / 8 and values [8 (wtid % 8), + 8) of every column
-// group. Writes shift to *q_shift and arrives on bar_q.
-__device__ __forceinline__ void load_q_permuted_f16(const SparseMlaParams& p, int64_t t, int head0,
-                                                    uint32_t q_tiles, uint32_t* amax_scratch,
-                                                    int* q_shift, uint32_t bar_q, int wtid) {
-  using F = FewHeadsFp8Config;
+// Q of heads [head0, head0 + 16) as the Sᵀ B operand, scaled by 2^-shift (load_q_f16's rule: the
+// largest finite |q| of the CTA lands in [2^14, 2^15)), columns in the permuted order: f16, but
+// the 656-byte layout's rope tile bf16. Thread wtid of the producer's 128 takes head wtid / 8 and
+// values [8 (wtid % 8), + 8) of every column group. Writes shift to *q_shift and arrives on bar_q.
+template <KvLayout kLayout>
+__device__ __forceinline__ void load_q_permuted(const SparseMlaParams& p, int64_t t, int head0,
+                                                uint32_t q_tiles, uint32_t* amax_scratch,
+                                                int* q_shift, uint32_t bar_q, int wtid) {
+  using F = FewHeadsFp8Config<kLayout>;
   const int h = wtid / 8, c8 = wtid % 8, head = head0 + h;
   const bool ok = head < p.num_heads;
   const int64_t hh = ok ? head : 0;
   const bf16_t* latent = p.q_abs + t * p.q_abs_token_stride + hh * p.q_abs_head_stride + 8 * c8;
   const bf16_t* rope = p.q_pe + t * p.q_pe_token_stride + hh * p.q_pe_head_stride + 8 * c8;
-  // Codes [8 c8, + 8) of column group u (read twice: for the maximum, then to convert; the
+  // Values [8 c8, + 8) of column group u (read twice: for the maximum, then to convert; the
   // second read hits L1).
   const auto load = [&](int u) {
     return ok ? __ldg(reinterpret_cast<const uint4*>(u < F::kGroups - 1 ? latent + 64 * u : rope))
@@ -108,19 +140,22 @@ __device__ __forceinline__ void load_q_permuted_f16(const SparseMlaParams& p, in
   for (int u = 0; u < F::kGroups; ++u) fold_finite_max_bf16(m2, load(u));
   const int shift = q_f16_shift(m2, amax_scratch, q_shift, wtid);
   const float down = __int_as_float((127 - shift) << 23);  // 2^-shift
-  // Codes 8 c8 + 2i, + 1 of a group are (q, s, e) = (c8 / 2, 2 (c8 % 2) + i / 2, 2 (i % 2)):
-  // logical k = 16 s + 2q + 8 (i % 2) of the group's tile, one f16 pair.
-  const int q = c8 / 2;
 #pragma unroll
   for (int u = 0; u < F::kGroups; ++u) {
     const uint4 v = load(u);
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    const bool bf16_rope = F::kScaled && u == F::kGroups - 1;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t w = words[i];
-      const int k = 16 * (2 * (c8 % 2) + i / 2) + 2 * q + 8 * (i % 2);
-      const uint32_t pair =
-          pack_f16x2(__uint_as_float(w << 16) * down, __uint_as_float(w & 0xffff0000u) * down);
+      const float lo = __uint_as_float(w << 16) * down,
+                  hi = __uint_as_float(w & 0xffff0000u) * down;
+      // Codes: values 8 c8 + 2i, + 1 of a group are (q, s, e) = (c8 / 2, 2 (c8 % 2) + i / 2,
+      // 2 (i % 2)): logical k = 16 s + 2q + 8 (i % 2). The 656-byte rope: chunk c8 = q + 4h, word
+      // e = i: k = 16 (2h + i / 2) + 2q + 8 (i % 2).
+      const int k = bf16_rope ? 16 * (2 * (c8 / 4) + i / 2) + 2 * (c8 % 4) + 8 * (i % 2)
+                              : 16 * (2 * (c8 % 2) + i / 2) + 2 * (c8 / 2) + 8 * (i % 2);
+      const uint32_t pair = bf16_rope ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi);
       asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_tiles + u * F::kTileBytes +
                                                      sm90::swizzled_chunk(h, k / 8) + 2 * (k % 8)),
                    "r"(pair)
@@ -139,19 +174,20 @@ __device__ __forceinline__ int32_t slot_location(const SparseMlaParams& p, const
   return loc < p.num_locations ? loc : -1;
 }
 
-// The producer warpgroup: Q, then every block's 64 rows as stored (576 codes) into the ring.
-// Warp w copies rows [16w, 16w + 16), 36 chunks of 16 bytes each: chunk f = 32 i + lane of its
-// 576 at step i, so a warp's copies of one step are consecutive chunks of one or two rows (a few
+// The producer warpgroup: Q, then every block's 64 rows as stored into the ring. Warp w copies
+// rows [16w, 16w + 16), kRowChunks chunks of 16 bytes each: chunk f = 32 i + lane of its 16 rows
+// at step i, so a warp's copies of one step are consecutive chunks of one or two rows (a few
 // 128-byte lines, not one line per lane); lane r < 16 holds row 16w + r's location.
+template <KvLayout kLayout>
 __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, char* smem,
                                                    const CtaWork& work, int num_blocks, int wtid) {
-  using F = FewHeadsFp8Config;
-  constexpr int kRowChunks = kDimQk / 16;  // 36
+  using F = FewHeadsFp8Config<kLayout>;
+  constexpr int kChunks = 16 * F::kRowChunks;  // a warp's chunks of one block
   if (num_blocks == 0) return;
   const uint32_t base = smem_addr(smem);
-  load_q_permuted_f16(p, work.t, work.head0, base + F::kQ,
-                      reinterpret_cast<uint32_t*>(smem + F::kQAmax),
-                      reinterpret_cast<int*>(smem + F::kQShift), base + F::kBarQ, wtid);
+  load_q_permuted<kLayout>(p, work.t, work.head0, base + F::kQ,
+                           reinterpret_cast<uint32_t*>(smem + F::kQAmax),
+                           reinterpret_cast<int*>(smem + F::kQShift), base + F::kBarQ, wtid);
   const int warp = wtid / 32, lane = wtid % 32;
   const auto row_location = [&](int blk) {
     return slot_location(p, work, blk * F::kBlock + 16 * warp + lane % 16);
@@ -164,11 +200,12 @@ __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, cha
     sm90::mbarrier_wait(base + F::kBarEmpty + 8 * stage, ((blk / F::kStages) & 1) ^ 1);
     const uint32_t rows = base + F::kRing + stage * F::kStageBytes + 16 * warp * F::kRowStride;
 #pragma unroll
-    for (int i = 0; i < 16 * kRowChunks / 32; ++i) {
-      const int f = 32 * i + lane, r = f / kRowChunks, c = f - r * kRowChunks;
-      const int32_t row_loc = __shfl_sync(0xffffffffu, loc, r);
-      cp_async_16(rows + r * F::kRowStride + 16 * c,
-                  pool_row<KvLayout::kFp8Raw>(p, row_loc) + 16 * c, row_loc >= 0);
+    for (int i = 0; i < (kChunks + 31) / 32; ++i) {
+      const int f = 32 * i + lane, r = f / F::kRowChunks, c = f - r * F::kRowChunks;
+      const int32_t row_loc = __shfl_sync(0xffffffffu, loc, r % 16);
+      if (kChunks % 32 == 0 || f < kChunks)
+        cp_async_16(rows + r * F::kRowStride + 16 * c, pool_row<kLayout>(p, row_loc) + 16 * c,
+                    row_loc >= 0);
     }
     sm90::cp_async_mbarrier_arrive(base + F::kBarFull + 8 * stage);
     loc = next;
@@ -176,12 +213,23 @@ __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, cha
   cp_async_wait<0>();
 }
 
+// The 656-byte layout's running scale of a tile, a power of two as f32 bits: the smallest above |x|
+// (x finite), at least 2^-126 and at most 2^126 (so 1 / sigma is a normal float; a scale of up
+// to FLT_MAX then makes a ratio below 4, P's f16 bound times 4).
+__device__ __forceinline__ uint32_t pow2_above_bits(float x) {
+  const uint32_t e = (__float_as_uint(x) >> 23) & 0xffu;
+  return min(e + 1u, 253u) << 23;
+}
+// 1 / x for x = pow2_above_bits(...) (exact).
+__device__ __forceinline__ float pow2_inverse(uint32_t bits) {
+  return __uint_as_float((254u << 23) - bits);
+}
+
 template <KvLayout kLayout>
-__global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     sparse_mla_sm90_few_heads_fp8_kernel(const __grid_constant__ SparseMlaParams p) {
-  static_assert(kLayout == KvLayout::kFp8Raw, "the fp8-raw pool (one scale, f16 operands)");
-  using F = FewHeadsFp8Config;
-  using W = Sm90Warps<1>;
+  using F = FewHeadsFp8Config<kLayout>;
+  using W = Sm90Warps;
   constexpr sm90::Ab kAb = sm90::Ab::kF16;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = smem_addr(smem);
@@ -203,7 +251,7 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
   if (wg == 2) {
     sm90::setmaxnreg_dec<W::kProducerRegs>();
     const CtaWork work = cta_work(p, F::kHeads);
-    produce_raw_blocks(p, smem, work, blocks_of(work), wtid);
+    produce_raw_blocks<kLayout>(p, smem, work, blocks_of(work), wtid);
     return;
   }
   sm90::setmaxnreg_inc<W::kConsumerRegs>();
@@ -212,86 +260,139 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
 
   // ---- consumers: group wg takes blocks wg, wg + 2, ... --------------------------------------
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
-  const uint32_t q_tiles = base + F::kQ, pt_tile = base + F::kPt + wg * F::kTileBytes;
+  const uint32_t q_tiles = base + F::kQ;
+  const uint32_t pt_tiles = base + F::kPt + wg * F::kPtTiles * F::kTileBytes;
   float* warp_heads = reinterpret_cast<float*>(smem + F::kWarpHeads) + wg * 4 * F::kHeads;
+  float* warp_scales = reinterpret_cast<float*>(smem + F::kWarpScales) + wg * 16;
   float* merge = reinterpret_cast<float*>(smem + F::kMerge);  // [group][m, l, max][16]
-  // Every stored value is code · k_scale, so k_scale multiplies S and O.
-  const float value_scale = p.k_scale;
-  float scale_log2 = p.sm_scale * value_scale * kLog2e;  // times 2^shift once Q has landed
+  // fp8-raw: every stored value is code · k_scale, so k_scale multiplies S and O. 656-byte: the
+  // tile scales enter Sᵀ per tile and Pᵀ per tile; O's tile t is kept in units of sigma[t] (bits).
+  uint32_t sigma[4] = {1u << 23, 1u << 23, 1u << 23, 1u << 23};  // 2^-126: no scale read yet
+  float scale_log2 = p.sm_scale * (F::kScaled ? 1.f : p.k_scale) * kLog2e;  // · 2^shift below
   // Sᵀ: this thread's rows (M indices 16w + g + 8r) in the buffer, and their chunk 4u + q.
   const int m_own[2] = {16 * warp + g, 16 * warp + g + 8};
-  const uint32_t s_off[2] = {uint32_t(fp8_row_of(m_own[0]) * F::kRowStride + 16 * q),
-                             uint32_t(fp8_row_of(m_own[1]) * F::kRowStride + 16 * q)};
-  // Oᵀ: keys 2q, 2q + 1, 2q + 8, 2q + 9 of a k16 step, at this thread's 16 dims.
-  const int dim_chunk = 8 * warp + 4 * (g & 1) + g / 2;
+  const uint32_t s_row[2] = {uint32_t(fp8_row_of(m_own[0]) * F::kRowStride),
+                             uint32_t(fp8_row_of(m_own[1]) * F::kRowStride)};
+  // Oᵀ: keys 2q, 2q + 1, 2q + 8, 2q + 9 of a k16 step, at this thread's dims.
+  const int dim_chunk = 8 * warp + 4 * (g & 1) + g / 2;    // fp8-raw: dims [16 c, + 16)
+  const int dim_word = (g & 3) + 16 * (g / 4) + 4 * warp;  // 656-byte: dims 128 t + [4 c', + 4)
   uint32_t v_off[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
-    v_off[i] =
-        uint32_t(fp8_row_of(2 * q + (i & 1) + 8 * (i >> 1)) * F::kRowStride + 16 * dim_chunk);
+    v_off[i] = uint32_t(fp8_row_of(2 * q + (i & 1) + 8 * (i >> 1)) * F::kRowStride) +
+               (F::kScaled ? 4 * dim_word : 16 * dim_chunk);
   const uint64_t dq = sm90::smem_desc_sw128(q_tiles, 16, 1024);
-  const uint64_t dp = sm90::smem_desc_sw128(pt_tile, 16, 1024);
+  const uint64_t dp = sm90::smem_desc_sw128(pt_tiles, 16, 1024);
 
   float o[8][8] = {};
   float s[8];
+  float row_scale[2][4];  // 656-byte: this thread's two Sᵀ rows' tile scales
   FewHeadsSoftmax softmax;
+
+  // Column group u of K as A fragments of its four k16 steps, from the raw 16-byte chunks of the
+  // thread's two rows (codes 64u + 16q + [0, 16)).
+  const auto widen_codes = [](const uint4(&raw)[2], uint32_t(&a)[4][4]) {
+    const uint32_t w[2][4] = {{raw[0].x, raw[0].y, raw[0].z, raw[0].w},
+                              {raw[1].x, raw[1].y, raw[1].z, raw[1].w}};
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      e4m3x4_to_f16x2x2(w[0][st], a[st][0], a[st][2]);
+      e4m3x4_to_f16x2x2(w[1][st], a[st][1], a[st][3]);
+    }
+  };
+
   // Sᵀ = K · Qᵀ of the block in `buffer`, retired on return: column group u's codes loaded one
   // group ahead, widened into A fragment set u % 2 once the MMAs of group u - 2 have retired (a
-  // set stays allocated until the wait that retires its MMAs: fence_operands).
+  // set stays allocated until the wait that retires its MMAs: fence_operands). 656-byte: tile t's
+  // two groups into acc[t], the rope (bf16, loaded as A) into s, and s += Σ_t scale_t · acc[t].
   const auto compute_s = [&](uint32_t buffer) {
     uint32_t as[2][4][4];
     uint4 raw[2][2];
+    float acc[F::kScaled ? 4 : 1][8];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) raw[0][r] = sm90::ld_shared_u32x4(buffer + s_off[r]);
+    for (int r = 0; r < 2; ++r) raw[0][r] = sm90::ld_shared_u32x4(buffer + s_row[r] + 16 * q);
 #pragma unroll
     for (int u = 0; u < F::kGroups; ++u) {
-      if (u + 1 < F::kGroups)
+      if (u + 1 < F::kCodeGroups)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          raw[(u + 1) % 2][r] = sm90::ld_shared_u32x4(buffer + s_off[r] + 64 * (u + 1));
+          raw[(u + 1) % 2][r] = sm90::ld_shared_u32x4(buffer + s_row[r] + 16 * q + 64 * (u + 1));
       uint32_t(&a)[4][4] = as[u % 2];
       if (u >= 2) {
         sm90::wgmma_wait<1>();
         sm90::fence_operands(a);
       }
-      const uint32_t w[2][4] = {
-          {raw[u % 2][0].x, raw[u % 2][0].y, raw[u % 2][0].z, raw[u % 2][0].w},
-          {raw[u % 2][1].x, raw[u % 2][1].y, raw[u % 2][1].z, raw[u % 2][1].w}};
+      if (u < F::kCodeGroups) {
+        widen_codes(raw[u % 2], a);
+      } else {
+        // The 656-byte rope: word e of chunk q + 4h of row r is the pair of step 2h + e / 2 (a[r]
+        // for even e, a[r + 2] for odd).
 #pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        e4m3x4_to_f16x2x2(w[0][st], a[st][0], a[st][2]);
-        e4m3x4_to_f16x2x2(w[1][st], a[st][1], a[st][3]);
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint4 c =
+                sm90::ld_shared_u32x4(buffer + s_row[r] + F::Row::kRopeOffset + 16 * (q + 4 * h));
+            a[2 * h][r] = c.x;
+            a[2 * h][r + 2] = c.y;
+            a[2 * h + 1][r] = c.z;
+            a[2 * h + 1][r + 2] = c.w;
+          }
       }
       sm90::wgmma_fence();
 #pragma unroll
-      for (int st = 0; st < 4; ++st)
-        sm90::wgmma_m64n16k16_rs<kAb>(s, a[st], dq + uint64_t((u * F::kTileBytes + 32 * st) >> 4),
-                                      u > 0 || st > 0);
+      for (int st = 0; st < 4; ++st) {
+        const uint64_t b = dq + uint64_t((u * F::kTileBytes + 32 * st) >> 4);
+        if constexpr (!F::kScaled)
+          sm90::wgmma_m64n16k16_rs<kAb>(s, a[st], b, u > 0 || st > 0);
+        else if (u < F::kCodeGroups)
+          sm90::wgmma_m64n16k16_rs<kAb>(acc[u / 2], a[st], b, u % 2 > 0 || st > 0);
+        else
+          sm90::wgmma_m64n16k16_rs<sm90::Ab::kBf16>(s, a[st], b, st > 0);
+      }
       sm90::wgmma_commit();
     }
     sm90::wgmma_wait<0>();
     sm90::fence_operands(s);
     sm90::fence_operands(as[0]);
     sm90::fence_operands(as[1]);
+    if constexpr (F::kScaled) {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        sm90::fence_operands(acc[t]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = fmaf(acc[t][i], row_scale[i / 2 % 2][t], s[i]);
+      }
+    }
   };
 
-  // Oᵀ += Vᵀ · Pᵀ of the block in `buffer`, retired on return: per k16 step the four keys' 16
-  // codes, tiles 0-3 then 4-7 each widened into a set once the MMAs two batches back have
-  // retired. Releases the buffer after its last read. (Retiring Oᵀ only in the next block's Sᵀ
-  // makes ptxas serialize every wgmma of the kernel.)
+  // Oᵀ += Vᵀ · Pᵀ of the block in `buffer`, retired on return: per k16 step the four keys' codes
+  // of this thread's dims, tiles 0-3 then 4-7 each widened into a set once the MMAs two batches
+  // back have retired. Releases the buffer after its last read. (Retiring Oᵀ only in the next
+  // block's Sᵀ makes ptxas serialize every wgmma of the kernel.)
   const auto compute_o = [&](uint32_t buffer, uint32_t empty_bar) {
     uint32_t ao[2][4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      uint4 raw[4];
+      // w[i][x]: key i's codes of dims 4x + [0, 4) of this thread's 16 (fp8-raw: one chunk;
+      // 656-byte: the word of tile x).
+      uint32_t w[4][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        raw[i] = sm90::ld_shared_u32x4(buffer + 16 * ks * F::kRowStride + v_off[i]);
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t at = buffer + 16 * ks * F::kRowStride + v_off[i];
+        if constexpr (F::kScaled) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x)
+            asm volatile("ld.shared.u32 %0, [%1];\n"
+                         : "=r"(w[i][x])
+                         : "r"(at + 128 * x)
+                         : "memory");
+        } else {
+          const uint4 v = sm90::ld_shared_u32x4(at);
+          w[i][0] = v.x, w[i][1] = v.y, w[i][2] = v.z, w[i][3] = v.w;
+        }
+      }
       if (ks == 3) sm90::mbarrier_arrive(empty_bar);
-      const uint32_t w[4][4] = {{raw[0].x, raw[0].y, raw[0].z, raw[0].w},
-                                {raw[1].x, raw[1].y, raw[1].z, raw[1].w},
-                                {raw[2].x, raw[2].y, raw[2].z, raw[2].w},
-                                {raw[3].x, raw[3].y, raw[3].z, raw[3].w}};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int batch = 2 * ks + half;
@@ -309,8 +410,12 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
         }
         sm90::wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          sm90::wgmma_m64n16k16_rs<kAb>(o[4 * half + i], a[i], dp + uint64_t((32 * ks) >> 4), 1);
+        for (int i = 0; i < 4; ++i) {
+          const int mt = 4 * half + i;
+          const int pt = F::kScaled ? mt / 2 : 0;  // tile t's Pᵀ for M tiles 2t, 2t + 1
+          sm90::wgmma_m64n16k16_rs<kAb>(o[mt], a[i],
+                                        dp + uint64_t((pt * F::kTileBytes + 32 * ks) >> 4), 1);
+        }
         sm90::wgmma_commit();
       }
     }
@@ -342,19 +447,77 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
     sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (blk / F::kStages) & 1);
     bool ok_next[2] = {false, false};
     if (n + 1 < my_blocks) rows_ok(blk + 2, ok_next);
+    // 656-byte: per tile, the largest finite |scale| of this thread's two rows.
+    float scale_max[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (F::kScaled)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint4 v = sm90::ld_shared_u32x4(buffer + s_row[r] + F::Row::kScalesOffset);
+        const uint32_t bits[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          row_scale[r][t] = __uint_as_float(bits[t]);
+          const float a = fabsf(row_scale[r][t]);
+          scale_max[t] = a < INFINITY ? fmaxf(scale_max[t], a) : scale_max[t];  // not NaN, inf
+        }
+      }
     sm90::fence_operands(s);
     compute_s(buffer);
 
-    softmax.block(s, o, ok, warp_heads, F::kSyncHeads + wg, scale_log2, warp, g, q);
+    softmax.publish_max(s, ok, warp_heads, warp, g, q);
+    if constexpr (F::kScaled) {
+      // The group's largest |scale| of each tile in the block: the thread's rows, lanes of other
+      // rows (g), then the warps (through the softmax's barrier).
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int x = 4; x < 32; x *= 2)
+          scale_max[t] = fmaxf(scale_max[t], __shfl_xor_sync(0xffffffffu, scale_max[t], x));
+      if (lane == 0)
+#pragma unroll
+        for (int t = 0; t < 4; ++t) warp_scales[4 * warp + t] = scale_max[t];
+    }
+    sm90::named_barrier_sync(F::kSyncHeads + wg, 128);
+    softmax.finish_block(s, o, warp_heads, scale_log2, q);
+    if constexpr (F::kScaled)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        float block_max = warp_scales[t];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) block_max = fmaxf(block_max, warp_scales[4 * w + t]);
+        const uint32_t sigma_new = max(sigma[t], pow2_above_bits(block_max));
+        if (sigma_new != sigma[t]) {  // uniform over the group
+          const float down = __uint_as_float(sigma[t]) * pow2_inverse(sigma_new);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            o[2 * t][i] *= down;
+            o[2 * t + 1][i] *= down;
+          }
+          sigma[t] = sigma_new;
+        }
+      }
     ok[0] = ok_next[0];
     ok[1] = ok_next[1];
 
     // ---- Pᵀ to shared memory: matrix mi = 2 j + r is M indices 16 w + 8 r .., heads 8 j .. --
+    // 656-byte: tile t's Pᵀ times each key's scale_t / sigma[t].
     {
       const int mi = lane / 8, j = mi / 2, r = mi % 2;
-      sm90::stmatrix_x4_trans(pt_tile + sm90::swizzled_chunk(8 * j + lane % 8, 2 * warp + r),
-                              pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
-                              pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
+      const uint32_t at = pt_tiles + sm90::swizzled_chunk(8 * j + lane % 8, 2 * warp + r);
+      if constexpr (F::kScaled) {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const float inv = pow2_inverse(sigma[t]);
+          const float r0 = row_scale[0][t] * inv, r1 = row_scale[1][t] * inv;
+          sm90::stmatrix_x4_trans(at + t * F::kTileBytes, pack_f16x2(s[0] * r0, s[1] * r0),
+                                  pack_f16x2(s[2] * r1, s[3] * r1),
+                                  pack_f16x2(s[4] * r0, s[5] * r0),
+                                  pack_f16x2(s[6] * r1, s[7] * r1));
+        }
+      } else {
+        sm90::stmatrix_x4_trans(at, pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
+                                pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
+      }
     }
     sm90::fence_proxy_async_shared();
     sm90::named_barrier_sync(F::kSyncPt + wg, 128);
@@ -370,11 +533,17 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
   // copied has been read: buffer 0 is free for WG1's scaled Oᵀ).
   float total[4], factor[4], offset[4];
   float* staged = reinterpret_cast<float*>(smem + F::kRing);  // [64 values][128 threads]
+  if constexpr (F::kScaled)
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[mt][i] *= __uint_as_float(sigma[mt / 2]);
+  const float value_scale = F::kScaled ? 1.f : p.k_scale;
   softmax.merge_and_stage(o, warp_heads, merge, staged, wg, wtid, F::kSyncHeads + wg, F::kSyncMerge,
                           F::kSyncStaged, value_scale, total, factor, offset);
   if (wg == 1) return;
   write_heads(p, work, warp, g, q, total, offset, merge, [&](int hi, int64_t th) {
-    // Dims [16 dim_chunk, + 16): value 2 mt + r is accumulator 4 (hi / 2) + 2 r + hi % 2 of mt.
+    // packed[mt]: the dims of (mt, r = 0, 1), value accumulator 4 (hi / 2) + 2 r + hi % 2 of mt.
     uint32_t packed[8];
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt) {
@@ -386,19 +555,27 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
       }
       packed[mt] = pack_bf16x2(x[0], x[1]);
     }
-    uint4* out = reinterpret_cast<uint4*>(p.o_lat + th * kDimLatent + 16 * dim_chunk);
-    out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    bf16_t* out = p.o_lat + th * kDimLatent;
+    if constexpr (F::kScaled) {
+#pragma unroll
+      for (int t = 0; t < 4; ++t)  // dims 128 t + [4 c', + 4)
+        *reinterpret_cast<uint2*>(out + 128 * t + 4 * dim_word) =
+            make_uint2(packed[2 * t], packed[2 * t + 1]);
+    } else {  // dims [16 c, + 16)
+      uint4* v = reinterpret_cast<uint4*>(out + 16 * dim_chunk);
+      v[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      v[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
   });
 }
 
-// fp8-raw pools at H <= 16: one CTA per token (16 heads per CTA above that).
+// FP8 pools at H <= 16: one CTA per token (16 heads per CTA above that).
 template <KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90_few_heads_fp8(const SparseMlaParams& params, cudaStream_t stream) {
-  using F = FewHeadsFp8Config;
+  using F = FewHeadsFp8Config<kLayout>;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
   const int64_t num_groups = (params.num_heads + F::kHeads - 1) / F::kHeads;
-  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_fp8_kernel<kLayout>, 1>(
+  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_fp8_kernel<kLayout>>(
       params, params.num_tokens * num_groups, F::kSmemBytes, stream);
 }
 

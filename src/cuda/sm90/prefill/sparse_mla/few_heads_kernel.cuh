@@ -1,8 +1,8 @@
 // Sparse MLA on Hopper for few heads (H <= 16: DeepSeek-V3.2's TP8 shard), keys on the wgmma M
-// dimension, on bf16 and 656-byte pools (fp8-raw pools: few_heads_fp8_kernel.cuh, the codes
-// widened in the consumers' registers; run_sparse_mla_sm90_few_heads routes them). Same contract
-// and numerics as sparse_mla_kernel.cuh (the 64-head kernel), whose shared-memory layout, CTA order
-// and producer (produce_blocks) it takes unchanged.
+// dimension, on bf16 pools (FP8 pools: few_heads_fp8_kernel.cuh, the codes widened in the
+// consumers' registers; run_sparse_mla_sm90_few_heads routes them). Same contract and numerics as
+// sparse_mla_kernel.cuh (the 64-head kernel), whose shared-memory layout, CTA order and producer
+// (produce_blocks) it takes unchanged.
 //
 // With heads on M, 16 heads fill a quarter of each 64-row tile and cost what 64 do. Here the
 // products are taken transposed, 64 keys (a block) on M and the CTA's 16 heads on N:
@@ -14,11 +14,9 @@
 //
 // One CTA per token: consumer warpgroups 0 and 1, then the 64-head kernel's producer
 // (produce_blocks: block 2i into buffer K0, 2i + 1 into K1, halves L = tiles 0-3 and R = tiles
-// 4-8) — one warpgroup on bf16 pools; two on FP8 ones (kFewHeadsProducers), each widening half
-// of every block's rows, since at 16 heads the widening is what the consumers wait for. Consumer
-// group b takes the blocks of buffer b with its own online softmax and all 512 output dims; the
-// two partial results meet in the epilogue. Per block, group b (WG0 works L first, WG1 R first:
-// the order the producer fills them):
+// 4-8). Consumer group b takes the blocks of buffer b with its own online softmax and all 512
+// output dims; the two partial results meet in the epilogue. Per block, group b (WG0 works L
+// first, WG1 R first: the order the producer fills them):
 //   Sᵀ over the first half's tiles, then the second's (36 m64n16k16); mask the invalid keys;
 //   per-head block max over the thread's 2 keys, its 8 lane rows (shuffles) and the group's 4
 //   warps (shared memory, named barrier); offset m as in the 64-head kernel (kRescaleSlack);
@@ -31,7 +29,7 @@
 //   o[mt][4j + 2r + c]  = Oᵀ[dim 64 mt + 16w + g + 8r][head 8j + 2q + c]     mt < 8
 // so a thread holds 4 heads, hi = 2j + c: their offsets m, sums l and maxima m_true.
 //
-// The table of instances (instances.h) has a row per pool layout (the fp8-raw row compiles
+// The table of instances (instances.h) has a row per pool layout (the FP8 rows compile
 // few_heads_fp8_kernel.cuh instead); the wgmma path runs it for H <= 16 (cuda_sparse_mla;
 // DSAKIT_SPARSE_MLA_SM90_HEADS=64 forces the 64-head kernel).
 //
@@ -89,23 +87,19 @@ __device__ __forceinline__ void issue_vp_tiles(float (&o)[8][8], uint32_t k, uin
   }
 }
 
-// Producer warpgroups per CTA: FP8 pools widen every row they gather, and at 16 heads one
-// warpgroup's widening is what the consumers wait for; two widen half of every block each.
 template <KvLayout kLayout>
-inline constexpr int kFewHeadsProducers = kLayout == KvLayout::kBf16 ? 1 : 2;
-
-template <KvLayout kLayout>
-__global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     sparse_mla_sm90_few_heads_kernel(const __grid_constant__ SparseMlaParams p) {
+  static_assert(kLayout == KvLayout::kBf16, "FP8 pools: few_heads_fp8_kernel.cuh");
   using C = Sm90Config;
   using F = FewHeadsConfig;
-  constexpr sm90::Ab kAb = kOperand<kLayout>;
+  constexpr sm90::Ab kAb = sm90::Ab::kBf16;
   extern __shared__ __align__(1024) char smem[];
   const Sm90Smem sm{smem_addr(smem)};
   const CtaWork work = cta_work(p, F::kHeads);
 
   int wg, wtid;
-  if (!start_cta<kLayout, false, kFewHeadsProducers<kLayout>>(p, smem, sm, work, wg, wtid)) return;
+  if (!start_cta<kLayout>(p, smem, sm, work, wg, wtid)) return;
 
   // ---- consumers: group wg takes buffer wg ----------------------------------------------------
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
@@ -115,10 +109,7 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
   const uint8_t* slot_ok = reinterpret_cast<const uint8_t*>(smem + C::kValid) + wg * C::kBlock;
   float* warp_heads = reinterpret_cast<float*>(smem + F::kWarpHeads) + wg * 4 * F::kHeads;
   float* merge = reinterpret_cast<float*>(smem + F::kMerge);  // [group][m, l, max][16]
-  // fp8-raw: every stored value is code · k_scale, so k_scale multiplies S and O.
-  const float value_scale = kLayout == KvLayout::kFp8Raw ? p.k_scale : 1.f;
-  // f16 operands: S is the product with Q · 2^-shift (load_q_f16); set once Q has landed.
-  float scale_log2 = p.sm_scale * value_scale * kLog2e;
+  const float scale_log2 = p.sm_scale * kLog2e;
   // The halves in the order the producer fills this group's buffer: WG0 L then R, WG1 R then L.
   const int first_half = wg;  // 0 = L, 1 = R
 
@@ -149,8 +140,6 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
 
   if (num_iters > 0) {
     sm90::mbarrier_wait(sm.q_full(), 0);
-    if constexpr (kAb == sm90::Ab::kF16)
-      scale_log2 *= __int_as_float((127 + *reinterpret_cast<const int*>(smem + C::kQShift)) << 23);
     sm90::fence_operands(s);
     issue_s(0);
     sm90::wgmma_wait<0>();
@@ -167,8 +156,8 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
     {
       const int mi = lane / 8, j = mi / 2, r = mi % 2;
       sm90::stmatrix_x4_trans(pt_tile + sm90::swizzled_chunk(8 * j + lane % 8, 2 * warp + r),
-                              pack_operand_x2<kAb>(s[0], s[1]), pack_operand_x2<kAb>(s[2], s[3]),
-                              pack_operand_x2<kAb>(s[4], s[5]), pack_operand_x2<kAb>(s[6], s[7]));
+                              pack_bf16x2(s[0], s[1]), pack_bf16x2(s[2], s[3]),
+                              pack_bf16x2(s[4], s[5]), pack_bf16x2(s[6], s[7]));
     }
     sm90::fence_proxy_async_shared();
     sm90::named_barrier_sync(F::kSyncPt + wg, 128);
@@ -208,7 +197,7 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
   float total[4], factor[4], offset[4];
   float* staged = reinterpret_cast<float*>(smem + C::kQ);  // [64 values][128 threads]
   softmax.merge_and_stage(o, warp_heads, merge, staged, wg, wtid, F::kSyncHeads + wg, F::kSyncMerge,
-                          F::kSyncMerge, value_scale, total, factor, offset);
+                          F::kSyncMerge, 1.f, total, factor, offset);
   if (wg == 1) return;
   write_heads(p, work, warp, g, q, total, offset, merge, [&](int hi, int64_t th) {
     // bf16 bits, one value a store (a warp's store covers 4 heads x 8 consecutive dims).
@@ -227,16 +216,15 @@ __global__ void __launch_bounds__(Sm90Warps<kFewHeadsProducers<kLayout>>::kThrea
 template <KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90_few_heads(const SparseMlaParams& params, cudaStream_t stream) {
   using F = FewHeadsConfig;
-  // fp8-raw: the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh), 16 heads
-  // a CTA at any H.
-  if constexpr (kLayout == KvLayout::kFp8Raw) {
+  // FP8 pools: the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh), 16
+  // heads a CTA at any H.
+  if constexpr (kLayout != KvLayout::kBf16) {
     return run_sparse_mla_sm90_few_heads_fp8<kLayout>(params, stream);
   } else {
     if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
     if (params.num_heads > F::kHeads) return cudaErrorInvalidValue;
-    return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>,
-                              kFewHeadsProducers<kLayout>>(params, params.num_tokens, F::kSmemBytes,
-                                                           stream);
+    return launch_sm90_sparse<&sparse_mla_sm90_few_heads_kernel<kLayout>>(params, params.num_tokens,
+                                                                          F::kSmemBytes, stream);
   }
 }
 

@@ -29,6 +29,14 @@ struct FewHeadsSoftmax {
   __device__ __forceinline__ void block(float (&s)[8], float (&o)[8][8], const bool (&ok)[2],
                                         float* warp_heads, int sync, float scale_log2, int warp,
                                         int g, int q) {
+    publish_max(s, ok, warp_heads, warp, g, q);
+    sm90::named_barrier_sync(sync, 128);
+    finish_block(s, o, warp_heads, scale_log2, q);
+  }
+
+  // block() before its barrier: the masking and this warp's per-head maxima into warp_heads.
+  __device__ __forceinline__ void publish_max(float (&s)[8], const bool (&ok)[2], float* warp_heads,
+                                              int warp, int g, int q) const {
 #pragma unroll
     for (int hi = 0; hi < 4; ++hi) {
       const int j = hi / 2, c = hi % 2;
@@ -40,7 +48,11 @@ struct FewHeadsSoftmax {
       x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
       if (g == 0) warp_heads[warp * kHeads + head_of(hi, q)] = x;
     }
-    sm90::named_barrier_sync(sync, 128);
+  }
+
+  // block() after its barrier: the group's maxima, the rescale, P.
+  __device__ __forceinline__ void finish_block(float (&s)[8], float (&o)[8][8],
+                                               const float* warp_heads, float scale_log2, int q) {
     float m_new[4];
     bool moved = false;
 #pragma unroll

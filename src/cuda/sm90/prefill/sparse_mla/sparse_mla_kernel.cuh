@@ -100,30 +100,16 @@ struct Sm90Config {
   static constexpr float kRescaleSlack = 8.f;
 };
 
-// A CTA's warpgroups: consumer groups 0 and 1, then kProducers producer groups (1; 2 in the
-// keys-on-M kernel on FP8 pools, each widening half of every block's rows). setmaxnreg moves
+// A CTA's warpgroups: consumer groups 0 and 1, then one producer group. setmaxnreg moves
 // registers within the CTA's launch allocation (kLaunchRegs x kThreads under
-// __launch_bounds__(kThreads, 1)): 2 x 128 x kConsumerRegs + kProducers x 128 x kProducerRegs
-// must not exceed it, or the consumers' increase waits forever.
-template <int kProducers>
-struct Sm90Warps;
-template <>
-struct Sm90Warps<1> {
+// __launch_bounds__(kThreads, 1)): 2 x 128 x kConsumerRegs + 128 x kProducerRegs must not
+// exceed it, or the consumers' increase waits forever.
+struct Sm90Warps {
   static constexpr int kThreads = 384, kLaunchRegs = 168;
   static constexpr int kConsumerRegs = 208, kProducerRegs = 88;
 };
-template <>
-struct Sm90Warps<2> {
-  static constexpr int kThreads = 512, kLaunchRegs = 128;
-  static constexpr int kConsumerRegs = 176, kProducerRegs = 80;
-};
-template <int kProducers>
-constexpr bool register_split_fits() {
-  using W = Sm90Warps<kProducers>;
-  const int needed = 2 * 128 * W::kConsumerRegs + kProducers * 128 * W::kProducerRegs;
-  return needed <= W::kLaunchRegs * W::kThreads;
-}
-static_assert(register_split_fits<1>() && register_split_fits<2>());
+static_assert(2 * 128 * Sm90Warps::kConsumerRegs + 128 * Sm90Warps::kProducerRegs <=
+              Sm90Warps::kLaunchRegs * Sm90Warps::kThreads);
 
 // The MMA operand type per pool layout: the fp8-raw pool's codes (one scale for the pool) widen
 // to f16 exactly in one conversion per pair, so that kernel computes in f16 with Q scaled by a
@@ -488,13 +474,13 @@ struct Sm90Smem {
 };
 
 // The mbarriers, by thread 0 before the CTA's first __syncthreads (cluster_sync when paired).
-// A half is full after 128 arrivals of each producer warpgroup, + as many cp.async completions
+// A half is full after the producer warpgroup's 128 arrivals, + as many cp.async completions
 // in the 656-byte layout's R half (its rope tile), and when paired the peer's bulk copies of its
 // rows (transactions the local producer's thread 0 expects); empty after its consumer
-// warpgroup's 128 arrivals, and the peer's group's when paired. Q is the first producer's.
-template <KvLayout kLayout, bool kPair = false, int kProducers = 1>
+// warpgroup's 128 arrivals, and the peer's group's when paired. Q is the producer's.
+template <KvLayout kLayout, bool kPair = false>
 __device__ __forceinline__ void init_barriers(const Sm90Smem& sm) {
-  constexpr uint32_t kPeers = kPair ? 2 : 1, kProducerThreads = 128 * kProducers;
+  constexpr uint32_t kPeers = kPair ? 2 : 1, kProducerThreads = 128;
   sm90::mbarrier_init(sm.q_full(), 128);
   for (int b = 0; b < 2; ++b)
     for (int h = 0; h < 2; ++h) {
@@ -542,18 +528,11 @@ __device__ __forceinline__ CtaWork cta_work(const SparseMlaParams& p, int heads_
 // with one bulk copy per tile, completing on the peer's full barrier; it waits for both CTAs'
 // consumers to release a half. Each CTA copies every row's rope (bf16 as stored) for itself.
 // Flags, Q and valid_full stay per CTA.
-// kProducers = 2 (FP8 pools, the keys-on-M kernel): producer warpgroup kProducer of the CTA
-// widens rows [32 kProducer, 32 kProducer + 32) of every block (the paired split, within one
-// CTA: no copies), sets those rows' valid flags, and arrives on every full barrier; the first
-// also loads Q.
-template <KvLayout kLayout, bool kPair = false, int kProducers = 1, int kProducer = 0>
+template <KvLayout kLayout, bool kPair = false>
 __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* smem,
                                                const CtaWork& work, int wtid) {
   static_assert(!kPair || kLayout == KvLayout::kFp8Scaled,
                 "paired producers: the 656-byte layout (run_sparse_mla_sm90)");
-  static_assert(kProducers == 1 || (kProducers == 2 && !kPair && kLayout != KvLayout::kBf16),
-                "two producer warpgroups: FP8 pools, unpaired");
-  constexpr bool kHalfRows = kPair || kProducers == 2;  // this producer widens 32 rows a block
   using C = Sm90Config;
   constexpr sm90::Ab kAb = kOperand<kLayout>;
   const int64_t t = work.t;
@@ -569,14 +548,12 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   // A token with no slot to read: no consumer waits for Q or a block, so nothing is copied (and
   // the keys-on-M kernel's epilogue, which stages its output in Q's tiles, meets no copy there).
   if (num_iters == 0) return;
-  if constexpr (kProducer == 0) {
-    if constexpr (kAb == sm90::Ab::kF16) {
-      load_q_f16(p, t, head0, q_tiles, reinterpret_cast<uint32_t*>(smem + C::kQAmax),
-                 reinterpret_cast<int*>(smem + C::kQShift), bar_q, wtid);
-    } else {
-      copy_q_bf16(p, t, head0, q_tiles, group, lane8);
-      sm90::cp_async_mbarrier_arrive(bar_q);
-    }
+  if constexpr (kAb == sm90::Ab::kF16) {
+    load_q_f16(p, t, head0, q_tiles, reinterpret_cast<uint32_t*>(smem + C::kQAmax),
+               reinterpret_cast<int*>(smem + C::kQShift), bar_q, wtid);
+  } else {
+    copy_q_bf16(p, t, head0, q_tiles, group, lane8);
+    sm90::cp_async_mbarrier_arrive(bar_q);
   }
 
   // rows[b]: the rows of buffer b's block of this iteration, loaded at least a step before
@@ -584,12 +561,12 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   // registers (staged[i]), loaded as soon as row i of this step is stored, so each load has a
   // whole step (and the wait for the next buffer) to land.
   // This producer widens rows group + 16 (row0 + k) of each block, k < kOwnRows.
-  constexpr int kOwnRows = kHalfRows ? 2 : 4;
+  constexpr int kOwnRows = kPair ? 2 : 4;
   const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0;
-  const int row0 = kPair ? 2 * int(rank) : 2 * kProducer;  // 0 unless kHalfRows
+  const int row0 = 2 * int(rank);  // 0 unless kPair
+  // (rank selects between compile-time indices: a run-time index would put loc in local memory)
   const auto own_loc = [&](const BlockRows& r, int k) {
-    if constexpr (kPair) return rank != 0 ? r.loc[2 + k] : r.loc[k];
-    return r.loc[2 * kProducer + k];
+    return rank != 0 ? r.loc[2 + k] : r.loc[k];
   };
   // The peer's shared::cluster address of this CTA's shared-memory address `addr`.
   const uint32_t peer_delta = kPair ? sm.peer_delta() : 0;
@@ -611,13 +588,10 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   // an iteration), each on its buffer's empty barrier of the iteration's parity. A buffer's
   // valid flags are written at steps 0 and 1: they are read only by the buffer's own group,
   // which has masked the previous iteration once it released its first half of the buffer.
-  // Two producer warpgroups: each its own rows' flags.
   const auto store_flags = [&](int buffer, const BlockRows& rows) {
-    constexpr int kFlagRows = kProducers == 2 ? 2 : 4, kFirst = kProducers == 2 ? 2 * kProducer : 0;
     if (lane8 == 0)
 #pragma unroll
-      for (int i = kFirst; i < kFirst + kFlagRows; ++i)
-        valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
+      for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
   };
   const auto step = [&](auto buffer_c, auto half_c, int it, bool has_next) {
     constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
@@ -697,23 +671,20 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
 // cluster pair (produce_blocks); its peer's barriers are initialized before any thread goes on,
 // and the producer leaves only when every thread of both CTAs is done with the other's shared
 // memory (the consumers' cluster_sync at their end).
-template <KvLayout kLayout, bool kPair = false, int kProducers = 1>
+template <KvLayout kLayout, bool kPair = false>
 __device__ __forceinline__ bool start_cta(const SparseMlaParams& p, char* smem, const Sm90Smem& sm,
                                           const CtaWork& work, int& wg, int& wtid) {
-  using W = Sm90Warps<kProducers>;
-  if (threadIdx.x == 0) init_barriers<kLayout, kPair, kProducers>(sm);
+  using W = Sm90Warps;
+  if (threadIdx.x == 0) init_barriers<kLayout, kPair>(sm);
   if constexpr (kPair)
     sm90::cluster_sync();
   else
     __syncthreads();
   wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   wtid = threadIdx.x % 128;
-  if (kProducers == 1 ? wg == 2 : wg >= 2) {
+  if (wg == 2) {
     sm90::setmaxnreg_dec<W::kProducerRegs>();
-    if (kProducers == 1 || wg == 2)
-      produce_blocks<kLayout, kPair, kProducers, 0>(p, smem, work, wtid);
-    else
-      produce_blocks<kLayout, kPair, kProducers, 1>(p, smem, work, wtid);
+    produce_blocks<kLayout, kPair>(p, smem, work, wtid);
     if constexpr (kPair) sm90::cluster_sync();
     return false;
   }
@@ -723,7 +694,7 @@ __device__ __forceinline__ bool start_cta(const SparseMlaParams& p, char* smem, 
 
 // kPair: launched as clusters of 2 CTAs, the token's two 64-head groups (produce_blocks).
 template <KvLayout kLayout, bool kPair>
-__global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     sparse_mla_sm90_kernel(const __grid_constant__ SparseMlaParams p) {
   using C = Sm90Config;
   constexpr sm90::Ab kAb = kOperand<kLayout>;
@@ -1007,10 +978,10 @@ __global__ void __launch_bounds__(Sm90Warps<1>::kThreads, 1)
   if constexpr (kPair) sm90::cluster_sync();  // the peer may still arrive on this CTA's barriers
 }
 
-// Launches kKernel (either sm90 sparse kernel, compiled for Sm90Warps<kProducers>) on num_ctas
-// CTAs of that many threads with smem_bytes of dynamic shared memory, opted in once per device,
-// in clusters of cluster_ctas consecutive CTAs (num_ctas a multiple of it).
-template <auto kKernel, int kProducers = 1>
+// Launches kKernel (an sm90 sparse kernel, compiled for Sm90Warps) on num_ctas CTAs of that many
+// threads with smem_bytes of dynamic shared memory, opted in once per device, in clusters of
+// cluster_ctas consecutive CTAs (num_ctas a multiple of it).
+template <auto kKernel>
 cudaError_t launch_sm90_sparse(const SparseMlaParams& params, int64_t num_ctas, int smem_bytes,
                                cudaStream_t stream, unsigned cluster_ctas = 1) {
   static std::atomic<uint64_t> smem_set{0};
@@ -1020,7 +991,7 @@ cudaError_t launch_sm90_sparse(const SparseMlaParams& params, int64_t num_ctas, 
   if (num_ctas > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(num_ctas));
-  config.blockDim = dim3(unsigned(Sm90Warps<kProducers>::kThreads));
+  config.blockDim = dim3(unsigned(Sm90Warps::kThreads));
   config.dynamicSmemBytes = size_t(smem_bytes);
   config.stream = stream;
   cudaLaunchAttribute cluster{};
