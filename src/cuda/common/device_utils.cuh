@@ -65,27 +65,23 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Eight e4m3 codes (codes.x: codes 0-3, low byte first) as f16, one 16-byte chunk of 8 f16:
-// exact (every e4m3 value, subnormals included, is an f16 value), one conversion per pair.
-__device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 codes) {
-  const uint32_t words[2] = {codes.x, codes.y};
-  uint32_t out[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i >> 1] >> (16 * (i & 1)));
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
-    out[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
 // Four e4m3 codes (x: the first in the low byte) as two f16 pairs, exactly: lo = codes 0 and 1,
-// hi = codes 2 and 3 (the first of each pair in the low half).
+// hi = codes 2 and 3 (the first of each pair in the low half). The register's halves feed the
+// conversions directly (no shifts to extract them).
 __device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t x, uint32_t& lo, uint32_t& hi) {
   asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\n"
       "cvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
       : "=r"(lo), "=r"(hi)
       : "r"(x));
+}
+
+// Eight e4m3 codes (codes.x: codes 0-3, low byte first) as f16, one 16-byte chunk of 8 f16:
+// exact (every e4m3 value, subnormals included, is an f16 value), one conversion per pair.
+__device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 codes) {
+  uint4 out;
+  e4m3x4_to_f16x2x2(codes.x, out.x, out.y);
+  e4m3x4_to_f16x2x2(codes.y, out.z, out.w);
+  return out;
 }
 
 // Both bf16 halves of v times (lo, hi) in fp32, rounded back to bf16.

@@ -24,12 +24,12 @@
 //     (2^kRescaleSlack) in f16: rounded to 11 bits where P · scale / σ_t >= 2^-14, to 2^-24
 //     below; O_t / σ_t is what the group accumulates (its epilogue multiplies σ_t back).
 //
-// One CTA of three warpgroups per (token, 16-head group): WG2 (producer) copies Q once (permuted),
-// then each block of 64 selected rows as stored by cp.async into a ring of kStages buffers (5 of
-// 37 KB for fp8-raw rows, 4 of 41 KB for 656-byte ones; invalid rows zero-filled: codes, scales
-// and rope 0); block i goes to buffer i % kStages and is taken by consumer group i % 2 (WG0 /
-// WG1), each with its own online softmax over all 512 dims; the groups' two partial results meet
-// in the epilogue (as in few_heads_kernel.cuh).
+// One CTA of three warpgroups per (token, 16-head group): WG0 converts Q once (permuted) while
+// WG2 (producer) copies each block of 64 selected rows as stored by cp.async into a ring of kStages
+// buffers (5 of 37 KB for fp8-raw rows, 4 of 41 KB for 656-byte ones; invalid rows zero-filled:
+// codes, scales and rope 0); block i goes to buffer i % kStages and is taken by consumer group i %
+// 2 (WG0 / WG1), each with its own online softmax over all 512 dims; the groups' two partial
+// results meet in the epilogue (as in few_heads_kernel.cuh).
 //
 // Row order. Buffer row j holds the block's slot j; M index m (the Sᵀ row, the Oᵀ k index, the
 // Pᵀ column) is buffer row rho(m), rho swapping bits 0 and 2 of m. With an odd row stride in
@@ -106,7 +106,7 @@ struct FewHeadsFp8Config {
   static_assert(kPt % 1024 == 0 && kRing % 16 == 0 && kBars % 8 == 0);
   static_assert(128 * 64 * 4 <= kStageBytes, "WG1's Oᵀ staging fits in buffer 0");
   // Named barriers: the group's head maxima and sums (1 + b), its Pᵀ (3 + b), both groups'
-  // (m, l, max) in (5) and WG1's Oᵀ staged (7); the producer's four warps (6, q_f16_shift).
+  // (m, l, max) in (5) and WG1's Oᵀ staged (7); WG0's four warps converting Q (6, q_f16_shift).
   static constexpr int kSyncHeads = 1, kSyncPt = 3, kSyncMerge = 5, kSyncStaged = 7;
 };
 
@@ -117,7 +117,7 @@ __device__ __forceinline__ int fp8_row_of(int m) {
 
 // Q of heads [head0, head0 + 16) as the Sᵀ B operand, scaled by 2^-shift (load_q_f16's rule: the
 // largest finite |q| of the CTA lands in [2^14, 2^15)), columns in the permuted order: f16, but
-// the 656-byte layout's rope tile bf16. Thread wtid of the producer's 128 takes head wtid / 8 and
+// the 656-byte layout's rope tile bf16. Thread wtid of WG0's 128 takes head wtid / 8 and
 // values [8 (wtid % 8), + 8) of every column group. Writes shift to *q_shift and arrives on bar_q.
 template <KvLayout kLayout>
 __device__ __forceinline__ void load_q_permuted(const SparseMlaParams& p, int64_t t, int head0,
@@ -166,37 +166,46 @@ __device__ __forceinline__ void load_q_permuted(const SparseMlaParams& p, int64_
   sm90::mbarrier_arrive(bar_q);
 }
 
-// The pool location of slot `slot` of the token, or -1 where it reads nothing (past num_slots,
-// negative, or past the pool).
-__device__ __forceinline__ int32_t slot_location(const SparseMlaParams& p, const CtaWork& work,
-                                                 int slot) {
-  const int32_t loc = slot < work.num_slots ? __ldg(work.slots + slot) : -1;
-  return loc < p.num_locations ? loc : -1;
+// The pool index stored at slot `slot` of the token, unchecked (-1 past num_slots): a load whose
+// value is first needed blocks later (checked_location then).
+__device__ __forceinline__ int32_t slot_value(const CtaWork& work, int slot) {
+  return slot < work.num_slots ? __ldg(work.slots + slot) : -1;
+}
+// A slot_value as the location it reads: -1 where it reads nothing (negative or past the pool).
+// The empty asm keeps the check here, at the value's use, instead of beside its load.
+__device__ __forceinline__ int32_t checked_location(const SparseMlaParams& p, int32_t value) {
+  asm volatile("" : "+r"(value));
+  return value < p.num_locations ? value : -1;
 }
 
-// The producer warpgroup: Q, then every block's 64 rows as stored into the ring. Warp w copies
-// rows [16w, 16w + 16), kRowChunks chunks of 16 bytes each: chunk f = 32 i + lane of its 16 rows
-// at step i, so a warp's copies of one step are consecutive chunks of one or two rows (a few
-// 128-byte lines, not one line per lane); lane r < 16 holds row 16w + r's location.
+// The producer warpgroup: every block's 64 rows as stored into the ring, from the CTA's start (Q
+// is WG0's). Warp w copies rows [16w, 16w + 16), kRowChunks chunks of 16 bytes each: chunk
+// f = 32 i + lane of its 16 rows at step i, so a warp's copies of one step are consecutive chunks
+// of one or two rows (a few 128-byte lines, not one line per lane); lane r < 16 holds row
+// 16w + r's location, loaded kSlotsAhead blocks before its block's copies (the load's latency
+// behind theirs).
 template <KvLayout kLayout>
 __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, char* smem,
                                                    const CtaWork& work, int num_blocks, int wtid) {
   using F = FewHeadsFp8Config<kLayout>;
   constexpr int kChunks = 16 * F::kRowChunks;  // a warp's chunks of one block
+  constexpr int kSlotsAhead = 3;
   if (num_blocks == 0) return;
   const uint32_t base = smem_addr(smem);
-  load_q_permuted<kLayout>(p, work.t, work.head0, base + F::kQ,
-                           reinterpret_cast<uint32_t*>(smem + F::kQAmax),
-                           reinterpret_cast<int*>(smem + F::kQShift), base + F::kBarQ, wtid);
   const int warp = wtid / 32, lane = wtid % 32;
-  const auto row_location = [&](int blk) {
-    return slot_location(p, work, blk * F::kBlock + 16 * warp + lane % 16);
+  const auto row_slot = [&](int blk) {
+    return slot_value(work, blk * F::kBlock + 16 * warp + lane % 16);
   };
-  int32_t loc = row_location(0);
+  int32_t ahead[kSlotsAhead];  // ahead[a]: this lane's row of block blk + a
+#pragma unroll
+  for (int a = 0; a < kSlotsAhead; ++a) ahead[a] = row_slot(a);
 #pragma unroll 1
   for (int blk = 0; blk < num_blocks; ++blk) {
     const int stage = blk % F::kStages;
-    const int32_t next = blk + 1 < num_blocks ? row_location(blk + 1) : -1;
+    const int32_t loc = checked_location(p, ahead[0]);
+#pragma unroll
+    for (int a = 0; a + 1 < kSlotsAhead; ++a) ahead[a] = ahead[a + 1];
+    ahead[kSlotsAhead - 1] = row_slot(blk + kSlotsAhead);
     sm90::mbarrier_wait(base + F::kBarEmpty + 8 * stage, ((blk / F::kStages) & 1) ^ 1);
     const uint32_t rows = base + F::kRing + stage * F::kStageBytes + 16 * warp * F::kRowStride;
 #pragma unroll
@@ -208,7 +217,6 @@ __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, cha
                     row_loc >= 0);
     }
     sm90::cp_async_mbarrier_arrive(base + F::kBarFull + 8 * stage);
-    loc = next;
   }
   cp_async_wait<0>();
 }
@@ -367,16 +375,15 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   };
 
   // Oᵀ += Vᵀ · Pᵀ of the block in `buffer`, retired on return: per k16 step the four keys' codes
-  // of this thread's dims, tiles 0-3 then 4-7 each widened into a set once the MMAs two batches
-  // back have retired. Releases the buffer after its last read. (Retiring Oᵀ only in the next
-  // block's Sᵀ makes ptxas serialize every wgmma of the kernel.)
+  // of this thread's dims (loaded a step ahead), tiles 0-3 then 4-7 each widened into a set once
+  // the MMAs two batches back have retired. Releases the buffer once its last reads are issued.
+  // (Retiring Oᵀ only in the next block's Sᵀ makes ptxas serialize every wgmma of the kernel.)
   const auto compute_o = [&](uint32_t buffer, uint32_t empty_bar) {
     uint32_t ao[2][4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      // w[i][x]: key i's codes of dims 4x + [0, 4) of this thread's 16 (fp8-raw: one chunk;
-      // 656-byte: the word of tile x).
-      uint32_t w[4][4];
+    // words[ks % 2][i][x]: key i's codes of dims 4x + [0, 4) of this thread's 16 at step ks
+    // (fp8-raw: one chunk; 656-byte: the word of tile x).
+    uint32_t words[2][4][4];
+    const auto load_words = [&](int ks, uint32_t(&w)[4][4]) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t at = buffer + 16 * ks * F::kRowStride + v_off[i];
@@ -392,7 +399,13 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
           w[i][0] = v.x, w[i][1] = v.y, w[i][2] = v.z, w[i][3] = v.w;
         }
       }
-      if (ks == 3) sm90::mbarrier_arrive(empty_bar);
+    };
+    load_words(0, words[0]);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks + 1 < 4) load_words(ks + 1, words[(ks + 1) % 2]);
+      if (ks == 2) sm90::mbarrier_arrive(empty_bar);
+      const uint32_t(&w)[4][4] = words[ks % 2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int batch = 2 * ks + half;
@@ -427,26 +440,32 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   };
 
   const int my_blocks = (num_blocks - wg + 1) / 2;
+  if (wg == 0 && my_blocks > 0)  // while the producer fills the ring
+    load_q_permuted<kLayout>(p, work.t, work.head0, q_tiles,
+                             reinterpret_cast<uint32_t*>(smem + F::kQAmax),
+                             reinterpret_cast<int*>(smem + F::kQShift), base + F::kBarQ, wtid);
   if (my_blocks > 0) {
     sm90::mbarrier_wait(base + F::kBarQ, 0);
     scale_log2 *= __int_as_float((127 + *reinterpret_cast<const int*>(smem + F::kQShift)) << 23);
   }
-  // The locations of this thread's two Sᵀ rows of its group's next block (validity only).
-  const auto rows_ok = [&](int blk, bool(&ok)[2]) {
+  // Whether this thread's two Sᵀ rows of block blk read a row: their slot values (next: those of
+  // the group's next block, loaded as a block starts and checked as it ends).
+  const auto row_slots = [&](int blk, int32_t(&v)[2]) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      ok[r] = slot_location(p, work, blk * F::kBlock + fp8_row_of(m_own[r])) >= 0;
+    for (int r = 0; r < 2; ++r) v[r] = slot_value(work, blk * F::kBlock + fp8_row_of(m_own[r]));
   };
+  int32_t next[2] = {-1, -1};
   bool ok[2] = {false, false};
-  if (my_blocks > 0) rows_ok(wg, ok);
+  if (my_blocks > 0) row_slots(wg, next);
 
 #pragma unroll 1
   for (int n = 0; n < my_blocks; ++n) {
     const int blk = 2 * n + wg, stage = blk % F::kStages;
     const uint32_t buffer = base + F::kRing + stage * F::kStageBytes;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) ok[r] = checked_location(p, next[r]) >= 0;
+    if (n + 1 < my_blocks) row_slots(blk + 2, next);
     sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (blk / F::kStages) & 1);
-    bool ok_next[2] = {false, false};
-    if (n + 1 < my_blocks) rows_ok(blk + 2, ok_next);
     // 656-byte: per tile, the largest finite |scale| of this thread's two rows.
     float scale_max[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (F::kScaled)
@@ -496,8 +515,6 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
           sigma[t] = sigma_new;
         }
       }
-    ok[0] = ok_next[0];
-    ok[1] = ok_next[1];
 
     // ---- Pᵀ to shared memory: matrix mi = 2 j + r is M indices 16 w + 8 r .., heads 8 j .. --
     // 656-byte: tile t's Pᵀ times each key's scale_t / sigma[t].
