@@ -462,11 +462,12 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
     be.sparse_mla(s);
   };
   time_each_kernel(be.options().sparse_mla_kernel, be, shape, "sparse_mla", flops, run, rows);
-  // At H <= 16 sparse_mla_sm90 is the keys-on-M kernel; its 64-head variant beside it. Above 16
-  // heads, the keys-on-M kernel where it takes them (16-head groups) beside the 64-head one.
+  // Where sparse_mla_sm90 is the keys-on-M kernel (sparse_mla_sm90_few_heads_by_default), the
+  // 64-head kernel beside it; elsewhere the keys-on-M kernel where it takes the heads (16-head
+  // groups) beside the 64-head one.
   if (cuda::attention::dispatch_sparse_mla_sm90_few_heads(layout, [](auto) {}) &&
       cuda::attention::sparse_mla_sm90_few_heads_take(layout, h)) {
-    const bool few = h <= cuda::attention::kSparseMlaSm90FewHeads;
+    const bool few = cuda::attention::sparse_mla_sm90_few_heads_by_default(layout, h);
     const cuda::CudaBackendOptions saved = be.options();
     be.options().sparse_mla_kernel = AttentionKernel::kWgmma;
     be.options().sparse_mla_sm90_heads = few ? 64 : 16;

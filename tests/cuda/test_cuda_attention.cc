@@ -285,20 +285,23 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       // 656-byte tile scales spread over 2^9 within a row and growing 2^12 across the pool.
       {KvLayout::kFp8Scaled, 3, 16, 2048, true, ScalePolicy::kPow2, 1.f, 0, 0.008},
       {KvLayout::kFp8Scaled, 3, 40, 1000, false, ScalePolicy::kPow2, 1.f, 0, 0.008},
+      // FP8 pools at 17-32 heads: the keys-on-M kernel by default, in two 16-head groups.
+      {KvLayout::kFp8Raw, 3, 32, 300, true},
+      {KvLayout::kFp8Scaled, 3, 20, 700, false, ScalePolicy::kPow2, 1.f, 0.5},
   };
   for (const SparseCase& c : cases)
     for (const std::string kernel : {"sm80", "sm90", "sm90-h64", "sm90-h16"}) {
-      // sm90: the wgmma kernel by H (keys on M for H <= 16); sm90-h64: its 64-head variant at
-      // H <= 16 (above 16 that is what sm90 runs); sm90-h16: the keys-on-M kernel forced above
-      // 16 heads (fp8-raw: 16-head groups).
+      // sm90: the wgmma kernel by H and layout (keys on M for H <= 16, on FP8 pools H <= 32);
+      // sm90-h64: its 64-head variant where sm90 runs keys on M; sm90-h16: the keys-on-M kernel
+      // forced where sm90 runs the 64-head one (FP8 pools: 16-head groups).
       const bool wgmma = kernel != "sm80";
       const bool few_heads_instance =
           cuda::attention::dispatch_sparse_mla_sm90_few_heads(c.layout, [](auto) {});
-      if (kernel == "sm90-h64" &&
-          (c.num_heads > cuda::attention::kSparseMlaSm90FewHeads || !few_heads_instance))
-        continue;
+      const bool few_by_default =
+          cuda::attention::sparse_mla_sm90_few_heads_by_default(c.layout, c.num_heads);
+      if (kernel == "sm90-h64" && (!few_by_default || !few_heads_instance)) continue;
       if (kernel == "sm90-h16" &&
-          (c.num_heads <= cuda::attention::kSparseMlaSm90FewHeads || !few_heads_instance ||
+          (few_by_default || !few_heads_instance ||
            !cuda::attention::sparse_mla_sm90_few_heads_take(c.layout, c.num_heads)))
         continue;
       if (wgmma && !cuda::attention::dispatch_sparse_mla_sm90(c.layout, [](auto) {})) continue;

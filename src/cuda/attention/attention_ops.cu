@@ -111,8 +111,10 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, AttentionKerne
       status = run_sparse_mla_sm90_few_heads<decltype(layout)::value>(params, stream);
     };
     bool found = false;
-    if (sm90_heads == 16 ? cuda::attention::sparse_mla_sm90_few_heads_take(desc.layout, num_heads)
-                         : sm90_heads != 64 && num_heads <= cuda::attention::kSparseMlaSm90FewHeads)
+    if (sm90_heads == 16
+            ? cuda::attention::sparse_mla_sm90_few_heads_take(desc.layout, num_heads)
+            : sm90_heads != 64 &&
+                  cuda::attention::sparse_mla_sm90_few_heads_by_default(desc.layout, num_heads))
       found = cuda::attention::dispatch_sparse_mla_sm90_few_heads(desc.layout, few_heads);
     DSAKIT_CHECK(found || sm90_heads != 16, kUnsupported, kOp, ": no 16-head wgmma instance for ",
                  num_heads, " heads + a ", to_string(desc.layout),

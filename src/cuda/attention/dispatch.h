@@ -46,12 +46,20 @@ bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
   return false;
 }
 
-// The H <= 16 wgmma kernel (keys on M): its largest head count by default, and its instances.
+// The keys-on-M wgmma kernel: its heads per CTA (the largest H it runs in one CTA), and the
+// largest H it runs by default on FP8 pools, in CTAs of 16 heads (against the 64-head kernel,
+// docs/perf.md run AA4: ahead at 32 heads on both FP8 layouts, far behind at 64).
 inline constexpr int kSparseMlaSm90FewHeads = 16;
+inline constexpr int kSparseMlaSm90FewHeadsFp8 = 32;
 // Whether the keys-on-M kernel runs H heads on this layout when forced (16 heads per CTA): the
 // FP8 ones take any H in CTAs of 16 heads (few_heads_fp8_kernel.cuh), the bf16 one H <= 16.
 inline bool sparse_mla_sm90_few_heads_take(KvLayout layout, int64_t num_heads) {
   return num_heads <= kSparseMlaSm90FewHeads || layout != KvLayout::kBf16;
+}
+// Whether it runs H heads on this layout by default (else the 64-head kernel does).
+inline bool sparse_mla_sm90_few_heads_by_default(KvLayout layout, int64_t num_heads) {
+  return num_heads <=
+         (layout == KvLayout::kBf16 ? kSparseMlaSm90FewHeads : kSparseMlaSm90FewHeadsFp8);
 }
 
 template <typename F>
