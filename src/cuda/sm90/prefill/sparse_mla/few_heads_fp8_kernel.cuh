@@ -171,8 +171,8 @@ __device__ __forceinline__ void load_q_permuted(const SparseMlaParams& p, int64_
 __device__ __forceinline__ int32_t slot_value(const CtaWork& work, int slot) {
   return slot < work.num_slots ? __ldg(work.slots + slot) : -1;
 }
-// A slot_value as the location it reads: -1 where it reads nothing (negative or past the pool).
-// The empty asm keeps the check here, at the value's use, instead of beside its load.
+// A slot_value as the location it reads, negative where it reads nothing (negative or past the
+// pool). The empty asm keeps the check here, at the value's use, instead of beside its load.
 __device__ __forceinline__ int32_t checked_location(const SparseMlaParams& p, int32_t value) {
   asm volatile("" : "+r"(value));
   return value < p.num_locations ? value : -1;
@@ -448,20 +448,20 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     sm90::mbarrier_wait(base + F::kBarQ, 0);
     scale_log2 *= __int_as_float((127 + *reinterpret_cast<const int*>(smem + F::kQShift)) << 23);
   }
-  // Whether this thread's two Sᵀ rows of block blk read a row: their slot values (next: those of
-  // the group's next block, loaded as a block starts and checked as it ends).
+  // The slot values of this thread's two Sᵀ rows of block blk (whether they read a row): loaded
+  // a block ahead (next), checked as their block starts.
   const auto row_slots = [&](int blk, int32_t(&v)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) v[r] = slot_value(work, blk * F::kBlock + fp8_row_of(m_own[r]));
   };
   int32_t next[2] = {-1, -1};
-  bool ok[2] = {false, false};
   if (my_blocks > 0) row_slots(wg, next);
 
 #pragma unroll 1
   for (int n = 0; n < my_blocks; ++n) {
     const int blk = 2 * n + wg, stage = blk % F::kStages;
     const uint32_t buffer = base + F::kRing + stage * F::kStageBytes;
+    bool ok[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) ok[r] = checked_location(p, next[r]) >= 0;
     if (n + 1 < my_blocks) row_slots(blk + 2, next);
