@@ -220,8 +220,8 @@ int run_cli(int argc, char** argv) {
   run->add_option("--sparse-rows", ro.sparse_rows,
                   "How the sparse path reads an fp8 / fp8-raw pool: auto (a bf16 copy of the "
                   "context rows where the GPU reads those faster and each is read often: "
-                  "prefill on sm_90 above 16 heads), pool, or staged (docs/layer.md#staged-rows); "
-                  "DSAKIT_SPARSE_ROWS overrides it")
+                  "prefill), pool, or staged (docs/layer.md#staged-rows); DSAKIT_SPARSE_ROWS "
+                  "overrides it")
       ->capture_default_str();
   run->add_option("--sparse-form", ro.sparse_form,
                   "How the sparse path attends to the top-k: mla (absorbed MLA over the selected "

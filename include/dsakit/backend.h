@@ -38,10 +38,10 @@ struct Capabilities {
   // context through a bf16 copy of it where each copied row is read often
   // (docs/layer.md#staged-rows).
   bool sparse_prefers_bf16_rows = false;
-  // ... except at up to this many heads, where sparse_mla reads either FP8 pool directly at least
-  // as fast (CUDA sm_90: 16, the keys-on-M kernel widens the codes in its consumers' registers):
-  // the layer reads those pools as they are.
-  int sparse_reads_fp8_heads = 0;
+  // ... except fp8-raw pools at up to this many heads, which sparse_mla reads directly at least as
+  // fast (CUDA sm_90: 16, the keys-on-M kernel widens the codes in its consumers' registers): the
+  // layer reads those pools as they are.
+  int sparse_reads_fp8_raw_heads = 0;
 };
 
 // k_nope [N, H, d_nope] and v [N, H, d_v] as views of one [N, H, d_nope + d_v] buffer (row n,

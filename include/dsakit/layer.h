@@ -48,9 +48,9 @@ struct LayerResult {
 // How the sparse path reads an fp8 / fp8-raw pool (docs/layer.md#staged-rows).
 enum class SparseRows : uint8_t {
   kAuto,    // staged where the backend prefers bf16 rows (Capabilities::sparse_prefers_bf16_rows,
-            // above sparse_reads_fp8_heads heads), bf16 holds the pool's values
-            // (bf16_holds_pool_values) and the batch reads each context row often enough
-            // (detail::kStagedRowMinReads); else the pool
+            // not for fp8-raw pools up to sparse_reads_fp8_raw_heads heads), bf16 holds the
+            // pool's values (bf16_holds_pool_values) and the batch reads each context row often
+            // enough (detail::kStagedRowMinReads); else the pool
   kPool,    // sparse_mla reads the pool's rows
   kStaged,  // the batch's context rows are copied to a bf16 pool first (gather_kv), sparse_mla
             // reads the copy; kInvalidArgument where bf16 does not hold the pool's values

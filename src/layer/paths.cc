@@ -124,7 +124,8 @@ bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows op
   if (pool.layout() == KvLayout::kBf16 || option == SparseRows::kPool) return false;
   if (option == SparseRows::kStaged) return true;  // resolve_sparse_rows() checked the pool
   const Capabilities& caps = be.capabilities();
-  if (num_heads <= caps.sparse_reads_fp8_heads) return false;
+  if (pool.layout() == KvLayout::kFp8Raw && num_heads <= caps.sparse_reads_fp8_raw_heads)
+    return false;
   return caps.sparse_prefers_bf16_rows && bf16_holds_pool_values(pool.desc()) && rows > 0 &&
          reads >= kStagedRowMinReads * rows;
 }

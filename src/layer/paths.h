@@ -84,8 +84,8 @@ bool pool_rows_are_inputs(const Backend& be, const PagedKvPool& pool,
 // prefill reads a row up to k times, a decode step about once.
 inline constexpr double kStagedRowMinReads = 32;
 // Whether a sparse call of `num_heads` heads that reads `reads` (token, slot) pairs of `rows`
-// copied rows stages them (never at a head count where the backend reads FP8 pools directly:
-// Capabilities::sparse_reads_fp8_heads).
+// copied rows stages them (never an fp8-raw pool the backend reads directly at that head count:
+// Capabilities::sparse_reads_fp8_raw_heads).
 bool stage_sparse_rows(const Backend& be, const PagedKvPool& pool, SparseRows option, double rows,
                        double reads, int64_t num_heads);
 // The same for a batch of the layer: N = its positions, reads = Σ_t min(ctx_t, k).

@@ -618,17 +618,16 @@ TEST_P(LayerTest, StagedRowsReadThePoolsValues) {
 }
 
 // kAuto stages where the backend prefers bf16 rows and the batch reads each context row often
-// (a prefill), not for a decode step, nor at a head count where the backend reads FP8 pools
-// directly (Capabilities::sparse_reads_fp8_heads); the sparse workspace counts the copy exactly
-// then; a forced copy of a pool bf16 does not hold is refused when the layer is made.
+// (a prefill), not for a decode step, nor for an fp8-raw pool at a head count the backend reads
+// such pools directly (Capabilities::sparse_reads_fp8_raw_heads); the sparse workspace counts
+// the copy exactly then; a forced copy of a pool bf16 does not hold is refused when the layer is
+// made.
 TEST_P(LayerTest, StagedRowsByDefaultWhereTheyPay) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  // 32 heads: above the backends' sparse_reads_fp8_heads.
-  const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(4), 64);
+  const ModelConfig c = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 64);
   const std::vector<int32_t> prompt = {300, 200}, len = {301, 201};
   Harness h(c, GetParam(), KvLayout::kFp8Scaled, 16, len, seed, DispatchMode::kSparse);
-  ASSERT_GT(c.num_heads, h.be->capabilities().sparse_reads_fp8_heads);
   use_sparse_rows(h, ScalePolicy::kPow2, 1.0f, SparseRows::kAuto);
   RunOutputs out;
   run_schedule(*h.layer, h.tables, h.tokens, {h.zeros(), prompt, 0, ForwardMode::kExtend}, out);
@@ -650,21 +649,17 @@ TEST_P(LayerTest, StagedRowsByDefaultWhereTheyPay) {
   EXPECT_EQ(h.layer->workspace_bytes(prefill, AttentionPath::kSparseMla), pool_bytes + copy);
   EXPECT_EQ(auto_bytes, pool_bytes + (h.be->capabilities().sparse_prefers_bf16_rows ? copy : 0));
 
-  // 16 heads (TP8): either FP8 pool (fp8-raw's k_scale a power of two: bf16 holds its values) is
-  // read directly where the backend reads FP8 pools at this head count.
-  const ModelConfig c16 = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(8), 64);
-  for (const auto& [layout, k_scale] :
-       {std::pair{KvLayout::kFp8Scaled, 1.0f}, std::pair{KvLayout::kFp8Raw, 0.5f}}) {
-    SCOPED_TRACE(to_string(layout));
-    Harness h16(c16, GetParam(), layout, 16, len, seed, DispatchMode::kSparse);
-    use_sparse_rows(h16, ScalePolicy::kPow2, k_scale, SparseRows::kAuto);
-    RunOutputs out16;
-    run_schedule(*h16.layer, h16.tables, h16.tokens, {h16.zeros(), prompt, 0, ForwardMode::kExtend},
-                 out16);
-    const Capabilities& caps = h16.be->capabilities();
-    EXPECT_EQ(has_stage(out16.steps[0], "stage_rows"),
-              caps.sparse_prefers_bf16_rows && c16.num_heads > caps.sparse_reads_fp8_heads);
-    expect_matches_reference(h16, out16, len);
+  // An fp8-raw pool (k_scale a power of two: bf16 holds its values) at these 16 heads.
+  {
+    Harness raw(c, GetParam(), KvLayout::kFp8Raw, 16, len, seed, DispatchMode::kSparse);
+    use_sparse_rows(raw, ScalePolicy::kPow2, 0.5f, SparseRows::kAuto);
+    RunOutputs raw_out;
+    run_schedule(*raw.layer, raw.tables, raw.tokens, {raw.zeros(), prompt, 0, ForwardMode::kExtend},
+                 raw_out);
+    const Capabilities& caps = raw.be->capabilities();
+    EXPECT_EQ(has_stage(raw_out.steps[0], "stage_rows"),
+              caps.sparse_prefers_bf16_rows && c.num_heads > caps.sparse_reads_fp8_raw_heads);
+    expect_matches_reference(raw, raw_out, len);
   }
 
   // 656-byte amax scales, fp8-raw with k_scale 0.75: bf16 does not hold their values.
