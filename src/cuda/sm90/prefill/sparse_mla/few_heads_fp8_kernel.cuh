@@ -233,36 +233,50 @@ __device__ __forceinline__ float pow2_inverse(uint32_t bits) {
   return __uint_as_float((254u << 23) - bits);
 }
 
+// The keys-on-M kernels' start: thread 0 initializes a ring's kStages full / empty mbarriers
+// (bar_full / bar_empty + 8 · stage) and Q's (bar_q), 128 arrivals each; then the producer
+// (warpgroup 2) lowers its registers, runs produce() and gets false, and the consumers raise
+// theirs and get true. Each derives the CTA's work after the reallocation (a value held across
+// it is spilled).
+template <int kStages, typename Produce>
+__device__ __forceinline__ bool start_keys_on_m_cta(uint32_t bar_full, uint32_t bar_empty,
+                                                    uint32_t bar_q, int& wg, int& wtid,
+                                                    Produce&& produce) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbarrier_init(bar_full + 8 * s, 128);
+      sm90::mbarrier_init(bar_empty + 8 * s, 128);
+    }
+    sm90::mbarrier_init(bar_q, 128);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
+  wtid = threadIdx.x % 128;
+  if (wg == 2) {
+    sm90::setmaxnreg_dec<Sm90Warps::kProducerRegs>();
+    produce();
+    return false;
+  }
+  sm90::setmaxnreg_inc<Sm90Warps::kConsumerRegs>();
+  return true;
+}
+
 template <KvLayout kLayout>
 __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     sparse_mla_sm90_few_heads_fp8_kernel(const __grid_constant__ SparseMlaParams p) {
   using F = FewHeadsFp8Config<kLayout>;
-  using W = Sm90Warps;
   constexpr sm90::Ab kAb = sm90::Ab::kF16;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = smem_addr(smem);
-  // The CTA's work is derived after the warpgroups' register reallocation (a value held across
-  // it is spilled).
   const auto blocks_of = [](const CtaWork& w) { return (w.num_slots + F::kBlock - 1) / F::kBlock; };
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < F::kStages; ++s) {
-      sm90::mbarrier_init(base + F::kBarFull + 8 * s, 128);
-      sm90::mbarrier_init(base + F::kBarEmpty + 8 * s, 128);
-    }
-    sm90::mbarrier_init(base + F::kBarQ, 128);
-    sm90::fence_barrier_init();
-  }
-  __syncthreads();
-  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
-  const int wtid = threadIdx.x % 128;
-  if (wg == 2) {
-    sm90::setmaxnreg_dec<W::kProducerRegs>();
-    const CtaWork work = cta_work(p, F::kHeads);
-    produce_raw_blocks<kLayout>(p, smem, work, blocks_of(work), wtid);
+  int wg, wtid;
+  if (!start_keys_on_m_cta<F::kStages>(
+          base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ, wg, wtid, [&] {
+            const CtaWork work = cta_work(p, F::kHeads);
+            produce_raw_blocks<kLayout>(p, smem, work, blocks_of(work), wtid);
+          }))
     return;
-  }
-  sm90::setmaxnreg_inc<W::kConsumerRegs>();
   const CtaWork work = cta_work(p, F::kHeads);
   const int num_blocks = blocks_of(work);
 

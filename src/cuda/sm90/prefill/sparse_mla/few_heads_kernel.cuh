@@ -165,31 +165,17 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   static_assert(kLayout == KvLayout::kBf16, "FP8 pools: few_heads_fp8_kernel.cuh");
   using C = Sm90Config;
   using F = FewHeadsConfig;
-  using W = Sm90Warps;
   constexpr sm90::Ab kAb = sm90::Ab::kBf16;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = smem_addr(smem);
   const auto blocks_of = [](const CtaWork& w) { return (w.num_slots + C::kBlock - 1) / C::kBlock; };
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < F::kStages; ++s) {
-      sm90::mbarrier_init(base + F::kBarFull + 8 * s, 128);
-      sm90::mbarrier_init(base + F::kBarEmpty + 8 * s, 128);
-    }
-    sm90::mbarrier_init(base + F::kBarQ, 128);
-    sm90::fence_barrier_init();
-  }
-  __syncthreads();
-  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
-  const int wtid = threadIdx.x % 128;
-  // The CTA's work is derived after the register reallocation (a value held across it spills).
-  if (wg == 2) {
-    sm90::setmaxnreg_dec<W::kProducerRegs>();
-    const CtaWork work = cta_work(p, F::kHeads);
-    produce_bf16_halves(p, base, work, blocks_of(work), wtid);
+  int wg, wtid;
+  if (!start_keys_on_m_cta<F::kStages>(base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ, wg,
+                                       wtid, [&] {
+                                         const CtaWork work = cta_work(p, F::kHeads);
+                                         produce_bf16_halves(p, base, work, blocks_of(work), wtid);
+                                       }))
     return;
-  }
-  sm90::setmaxnreg_inc<W::kConsumerRegs>();
   const CtaWork work = cta_work(p, F::kHeads);
   const int num_blocks = blocks_of(work);
 
