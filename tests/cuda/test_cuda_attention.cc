@@ -280,6 +280,7 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       // within every block, a head count below 8.
       {KvLayout::kFp8Raw, 3, 12, 300, false, ScalePolicy::kAmax, 1e-6f},
       {KvLayout::kBf16, 3, 16, 700, true, ScalePolicy::kAmax, 3e4f},
+      {KvLayout::kBf16, 3, 7, 300, true},
       {KvLayout::kBf16, 3, 16, 2048, true, ScalePolicy::kAmax, 1.f, 0.5},
       {KvLayout::kFp8Scaled, 4, 5, 2048, true, ScalePolicy::kPow2},
       // 656-byte tile scales spread over 2^9 within a row and growing 2^12 across the pool.

@@ -545,8 +545,7 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   const auto bar_empty = [&](int buffer, int half) { return sm.empty(buffer, half); };
   uint8_t* valid = reinterpret_cast<uint8_t*>(smem + C::kValid);  // [2][64]
   const int group = wtid / 8, lane8 = wtid % 8;
-  // A token with no slot to read: no consumer waits for Q or a block, so nothing is copied (and
-  // the keys-on-M kernel's epilogue, which stages its output in Q's tiles, meets no copy there).
+  // A token with no slot to read: no consumer waits for Q or a block, so nothing is copied.
   if (num_iters == 0) return;
   if constexpr (kAb == sm90::Ab::kF16) {
     load_q_f16(p, t, head0, q_tiles, reinterpret_cast<uint32_t*>(smem + C::kQAmax),
