@@ -79,14 +79,10 @@ __device__ __forceinline__ void issue_kq_tiles(float (&s)[8], uint32_t stage, ui
   using F = FewHeadsConfig;
   const uint64_t dk = sm90::smem_desc_sw128(stage, 16, 1024);
   const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
-#pragma unroll
-  for (int tile = kFirst; tile < kFirst + kCount; ++tile)
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      sm90::wgmma_m64n16k16_ss<0, 0, kAb>(
-          s, dk + (uint64_t((tile - kFirst) * Sm90Config::kTileBytes + ks * 32) >> 4),
-          dq + (uint64_t(tile * F::kQTileBytes + ks * 32) >> 4),
-          accumulate || tile > kFirst || ks > 0);
+  for_each_k16_step<kFirst, kCount>(accumulate, [&](int tile, int ks, bool acc) {
+    sm90::wgmma_m64n16k16_ss<0, 0, kAb>(s, dk + k16_offset(tile - kFirst, ks),
+                                        dq + k16_offset<F::kQTileBytes>(tile, ks), acc);
+  });
 }
 
 // Oᵀ[dims of tiles kFirst .. kFirst + 3] += Vᵀ · Pᵀ over the block's 64 keys: A = tile mt at
@@ -122,21 +118,8 @@ __device__ __forceinline__ void produce_bf16_halves(const SparseMlaParams& p, ui
   using F = FewHeadsConfig;
   if (num_blocks == 0) return;
   const int group = wtid / 8, lane8 = wtid % 8;
-  {
-    const int head = work.head0 + group;
-    const bool ok = head < p.num_heads;
-    const int64_t h = ok ? head : 0;
-    const bf16_t* latent =
-        p.q_abs + work.t * p.q_abs_token_stride + h * p.q_abs_head_stride + lane8 * 8;
-    const uint32_t at = base + F::kQ + sm90::swizzled_chunk(group, lane8);
-#pragma unroll
-    for (int tile = 0; tile < C::kLatentTiles; ++tile)
-      sm90::cp_async_16_prefetch(at + tile * F::kQTileBytes, latent + tile * 64, ok);
-    sm90::cp_async_16_prefetch(
-        at + C::kLatentTiles * F::kQTileBytes,
-        p.q_pe + work.t * p.q_pe_token_stride + h * p.q_pe_head_stride + lane8 * 8, ok);
-    sm90::cp_async_mbarrier_arrive(base + F::kBarQ);
-  }
+  copy_q_bf16<F::kHeads>(p, work.t, work.head0, base + F::kQ, group, lane8);
+  sm90::cp_async_mbarrier_arrive(base + F::kBarQ);
   BlockRows next = block_rows(work.slots, 0, work.num_slots, group);
 #pragma unroll 1
   for (int b = 0; b < num_blocks; ++b) {

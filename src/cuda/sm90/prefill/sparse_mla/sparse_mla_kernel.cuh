@@ -286,23 +286,26 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
     sm90::st_shared_u32x4(row + offsets.rope, e4m3x8_to_f16(staged.rope));
 }
 
-// Q of the CTA's 64 heads (bf16) by cp.async into the swizzled Q tiles: rows group + 16 i,
-// chunk lane8 of every tile (heads >= H zero-filled).
+// Q of the CTA's kRows heads (bf16) by cp.async into swizzled Q tiles of kRows rows, kTileBytes
+// = kRows x 128 apart: rows group + 16 i, chunk lane8 of every tile (heads >= H zero-filled). The
+// 64-head kernel's 64 rows by default; the keys-on-M kernel's 16 (few_heads_kernel.cuh).
+template <int kRows = Sm90Config::kHeads>
 __device__ __forceinline__ void copy_q_bf16(const SparseMlaParams& p, int64_t t, int head0,
                                             uint32_t q_tiles, int group, int lane8) {
   using C = Sm90Config;
+  constexpr int kTileBytes = kRows * 128;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kRows / 16; ++i) {
     const int row = group + 16 * i, head = head0 + row;
     const bool ok = head < p.num_heads;
     const int64_t h = ok ? head : 0;
     const bf16_t* latent = p.q_abs + t * p.q_abs_token_stride + h * p.q_abs_head_stride + lane8 * 8;
 #pragma unroll
     for (int tile = 0; tile < C::kLatentTiles; ++tile)
-      sm90::cp_async_16_prefetch(q_tiles + tile * C::kTileBytes + sm90::swizzled_chunk(row, lane8),
+      sm90::cp_async_16_prefetch(q_tiles + tile * kTileBytes + sm90::swizzled_chunk(row, lane8),
                                  latent + tile * 64, ok);
     sm90::cp_async_16_prefetch(
-        q_tiles + C::kLatentTiles * C::kTileBytes + sm90::swizzled_chunk(row, lane8),
+        q_tiles + C::kLatentTiles * kTileBytes + sm90::swizzled_chunk(row, lane8),
         p.q_pe + t * p.q_pe_token_stride + h * p.q_pe_head_stride + lane8 * 8, ok);
   }
 }
@@ -378,18 +381,20 @@ __device__ __forceinline__ void load_q_f16(const SparseMlaParams& p, int64_t t, 
 
 // ---- consumers ----------------------------------------------------------------------------
 
-// The k16 steps of a product over column tiles [kFirst, kFirst + kCount) of two K-major
-// swizzled tile chains laid out alike (Q and a key buffer): mma(offset, accumulate) per step,
-// offset in the descriptors' 16-byte units, accumulating after the first step unless
-// `accumulate`.
+// The k16 steps of a product over column tiles [kFirst, kFirst + kCount) of K-major swizzled
+// tiles: mma(tile, ks, accumulate) per step (ks < 4 within the tile), accumulating after the
+// first step unless `accumulate`.
 template <int kFirst, int kCount, typename Mma>
 __device__ __forceinline__ void for_each_k16_step(bool accumulate, Mma&& mma) {
 #pragma unroll
   for (int tile = kFirst; tile < kFirst + kCount; ++tile)
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      mma(uint64_t(tile * Sm90Config::kTileBytes + ks * 32) >> 4,
-          accumulate || tile > kFirst || ks > 0);
+    for (int ks = 0; ks < 4; ++ks) mma(tile, ks, accumulate || tile > kFirst || ks > 0);
+}
+// Step ks of tile `tile` in a chain of tiles kTileBytes apart, in a descriptor's 16-byte units.
+template <int kTileBytes = Sm90Config::kTileBytes>
+__device__ __forceinline__ uint64_t k16_offset(int tile, int ks) {
+  return uint64_t(tile * kTileBytes + ks * 32) >> 4;
 }
 
 // S = Q · K_bᵀ over column tiles [kFirst, kFirst + kCount).
@@ -398,7 +403,8 @@ __device__ __forceinline__ void issue_qk_tiles(float (&s)[32], uint32_t q, uint3
                                                bool accumulate) {
   const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
   const uint64_t dk = sm90::smem_desc_sw128(k, 16, 1024);
-  for_each_k16_step<kFirst, kCount>(accumulate, [&](uint64_t offset, bool acc) {
+  for_each_k16_step<kFirst, kCount>(accumulate, [&](int tile, int ks, bool acc) {
+    const uint64_t offset = k16_offset(tile, ks);
     sm90::wgmma_m64n64k16_ss<0, kAb>(s, dq + offset, dk + offset, acc);
   });
 }
