@@ -334,9 +334,10 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
 }
 
 // The FP8 keys-on-M kernel (few_heads_fp8_kernel.cuh) alone on both FP8 layouts, small enough
-// for racecheck: block counts that give its two consumer groups equal shares, unequal ones and
-// none (k = 129: three blocks; token 1 reads nothing), at 16 heads, 7, and 32 (two 16-head
-// groups, forced).
+// for racecheck: a CTA's two work items (adjacent tokens' 16-head groups, or one token's two
+// groups at 20 and 32 heads, forced) with equal block counts, unequal ones (topk_length drawn
+// from [0, k + 3]) and none (token 1 reads nothing), and odd item counts (the last CTA's second
+// consumer group idle), at 16 heads, 7, 20 and 32.
 TEST_F(CudaSparseMla, Fp8KeysOnMKernelMatchesReference) {
   const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", "sm90");
   const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", "16");
@@ -346,7 +347,8 @@ TEST_F(CudaSparseMla, Fp8KeysOnMKernelMatchesReference) {
     const ScalePolicy pow2 = ScalePolicy::kPow2;  // fp8-raw pools ignore it
     for (const SparseCase& c :
          {SparseCase{layout, 3, 16, 2048, true, pow2}, SparseCase{layout, 3, 7, 129, false, pow2},
-          SparseCase{layout, 2, 32, 300, true, pow2}}) {
+          SparseCase{layout, 2, 32, 300, true, pow2}, SparseCase{layout, 9, 16, 600, true, pow2},
+          SparseCase{layout, 5, 20, 500, true, pow2}}) {
       const uint64_t seed = testing::fresh_seed();
       SCOPED_TRACE(::testing::Message() << "seed " << seed << " layout " << to_string(layout)
                                         << " H " << c.num_heads << " k " << c.topk);

@@ -24,12 +24,14 @@
 //     (2^kRescaleSlack) in f16: rounded to 11 bits where P · scale / σ_t >= 2^-14, to 2^-24
 //     below; O_t / σ_t is what the group accumulates (its epilogue multiplies σ_t back).
 //
-// One CTA of three warpgroups per (token, 16-head group): WG0 converts Q once (permuted) while
-// WG2 (producer) copies each block of 64 selected rows as stored by cp.async into a ring of kStages
-// buffers (5 of 37 KB for fp8-raw rows, 4 of 41 KB for 656-byte ones; invalid rows zero-filled:
-// codes, scales and rope 0); block i goes to buffer i % kStages and is taken by consumer group i %
-// 2 (WG0 / WG1), each with its own online softmax over all 512 dims; the groups' two partial
-// results meet in the epilogue (as in few_heads_kernel.cuh).
+// One CTA of three warpgroups per two work items (a work item: a token's 16-head group; at H <= 16
+// two adjacent tokens, whose block counts differ by at most one): consumer group i (WG0 / WG1)
+// takes every block of item i with its own online softmax over all 512 dims, converts its item's
+// Q (permuted) at the start and writes its output at the end, so one group's start and end
+// overlap the other's blocks and no partial results meet. WG2 (producer) copies each block of 64
+// selected rows of both items as stored by cp.async into a ring of kStages buffers (5 of 37 KB for
+// fp8-raw rows, 4 of 41 KB for 656-byte ones; invalid rows zero-filled: codes, scales and rope 0),
+// in PairOrder (the items' blocks alternating); ring index i goes to buffer i % kStages.
 //
 // Row order. Buffer row j holds the block's slot j; M index m (the Sᵀ row, the Oᵀ k index, the
 // Pᵀ column) is buffer row rho(m), rho swapping bits 0 and 2 of m. With an odd row stride in
@@ -58,12 +60,12 @@
 // so a thread holds 4 heads, hi = 2j + c.
 //
 // Shared memory (bytes):
-//   Q    [9 tiles of 16 x 64 f16] 18432   K-major, 128-byte swizzled (656-byte: tile 8 bf16)
+//   Q    [2 groups][9 tiles of 16 x 64 f16] 2 x 18432  K-major, 128-byte swizzled (656-byte: tile
+//                                                      8 bf16)
 //   Pᵀ   [2 groups][1 | 4][16 x 64 f16]   the same
 //   ring [kStages][64 rows][row stride]  rows as stored
-//   mbarriers full / empty [kStages], q_full; the groups' per-warp head maxima / sums and scale
-//   maxima, the epilogue's (m, l, max); Q's power-of-two shift and the producer warps' |Q| maxima.
-// The epilogue stages WG1's scaled Oᵀ (f32, 32 KB) in buffer 0 once both groups are done.
+//   mbarriers full / empty [kStages], q_full [2]; the groups' per-warp head maxima / sums and
+//   scale maxima; per group Q's power-of-two shift and its warps' |Q| maxima.
 #pragma once
 
 #include "src/cuda/sm90/prefill/sparse_mla/few_heads_softmax.cuh"
@@ -89,26 +91,64 @@ struct FewHeadsFp8Config {
   static constexpr int kPtTiles = kScaled ? 4 : 1;     // Pᵀ tiles a group (one per scale tile)
   static_assert(kRowStride / 16 % 2 == 1 && kRowStride >= Row::kBytes);
 
-  static constexpr int kQ = 0;
-  static constexpr int kPt = kQ + kGroups * kTileBytes;
+  static constexpr int kQBytes = kGroups * kTileBytes;  // one group's Q
+  static constexpr int kQ = 0;                          // [2 groups]
+  static constexpr int kPt = kQ + 2 * kQBytes;
   static constexpr int kRing = kPt + 2 * kPtTiles * kTileBytes;
   static constexpr int kBars = kRing + kStages * kStageBytes;
-  static constexpr int kBarFull = kBars;                 // + 8 * stage
-  static constexpr int kBarEmpty = kBars + 8 * kStages;  // + 8 * stage
-  static constexpr int kBarQ = kBars + 16 * kStages;
-  static constexpr int kWarpHeads = kBarQ + 8;                     // f32 [2][4][16]
+  static constexpr int kBarFull = kBars;                           // + 8 * stage
+  static constexpr int kBarEmpty = kBars + 8 * kStages;            // + 8 * stage
+  static constexpr int kBarQ = kBars + 16 * kStages;               // + 8 * group
+  static constexpr int kWarpHeads = kBarQ + 16;                    // f32 [2][4][16]
   static constexpr int kWarpScales = kWarpHeads + 4 * 2 * 4 * 16;  // f32 [2][4 warps][4 tiles]
-  static constexpr int kMerge = kWarpScales + 4 * 2 * 4 * 4;       // f32 [2][3][16]: m, l, max
-  static constexpr int kQShift = kMerge + 4 * 2 * 3 * 16;          // i32
-  static constexpr int kQAmax = kQShift + 16;                      // u32 [4]
-  static constexpr int kSmemBytes = kQAmax + 16;
+  static constexpr int kQShift = kWarpScales + 4 * 2 * 4 * 4;      // i32 [2]
+  static constexpr int kQAmax = kQShift + 16;                      // u32 [2][4]
+  static constexpr int kSmemBytes = kQAmax + 32;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
   static_assert(kPt % 1024 == 0 && kRing % 16 == 0 && kBars % 8 == 0);
-  static_assert(128 * 64 * 4 <= kStageBytes, "WG1's Oᵀ staging fits in buffer 0");
-  // Named barriers: the group's head maxima and sums (1 + b), its Pᵀ (3 + b), both groups'
-  // (m, l, max) in (5) and WG1's Oᵀ staged (7); WG0's four warps converting Q (6, q_f16_shift).
-  static constexpr int kSyncHeads = 1, kSyncPt = 3, kSyncMerge = 5, kSyncStaged = 7;
+  // Named barriers of group b's 128 threads: its head maxima and sums (1 + b), its Pᵀ (3 + b),
+  // its |Q| maximum (5 + b, q_f16_shift).
+  static constexpr int kSyncHeads = 1, kSyncPt = 3, kSyncQ = 5;
 };
+
+// The ring's order of a CTA's two work items' blocks (item i has n[i] blocks of 64 slots):
+// alternating, item 0's block b at ring index 2b and item 1's at 2b + 1, while both have blocks;
+// then the longer item's in order. Consumer group i takes item i's blocks.
+struct PairOrder {
+  int n[2];
+  __device__ __forceinline__ int both() const { return min(n[0], n[1]); }
+  __device__ __forceinline__ int total() const { return n[0] + n[1]; }
+  // Ring index of item `item`'s block b.
+  __device__ __forceinline__ int index(int item, int b) const {
+    return b < both() ? 2 * b + item : both() + b;
+  }
+  // The item and block at ring index i < total().
+  __device__ __forceinline__ void at(int i, int& item, int& b) const {
+    const int m = both();
+    item = i < 2 * m ? i & 1 : (n[0] > n[1] ? 0 : 1);
+    b = i < 2 * m ? i >> 1 : i - m;
+  }
+};
+
+// Work items of 16 heads (num_tokens · ceil(H / 16), cta_work's order) in pairs: CTA c takes
+// items 2c and 2c + 1 (the second past the last item: none, 0 blocks).
+struct PairWork {
+  CtaWork item[2];
+  bool has_second;
+  PairOrder order;
+};
+__device__ __forceinline__ PairWork pair_work(const SparseMlaParams& p) {
+  constexpr int kHeads = FewHeadsSoftmax::kHeads, kBlock = 64;
+  const unsigned num_items = unsigned(p.num_tokens) * unsigned((p.num_heads + kHeads - 1) / kHeads);
+  PairWork w;
+  w.has_second = 2 * blockIdx.x + 1 < num_items;
+  w.item[0] = cta_work(p, kHeads, 2 * blockIdx.x);
+  w.item[1] = cta_work(p, kHeads, w.has_second ? 2 * blockIdx.x + 1 : 2 * blockIdx.x);
+  if (!w.has_second) w.item[1].num_slots = 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) w.order.n[i] = (w.item[i].num_slots + kBlock - 1) / kBlock;
+  return w;
+}
 
 // Buffer row of M index m: bits 0 and 2 swapped (the row order above).
 __device__ __forceinline__ int fp8_row_of(int m) {
@@ -116,13 +156,14 @@ __device__ __forceinline__ int fp8_row_of(int m) {
 }
 
 // Q of heads [head0, head0 + 16) as the Sᵀ B operand, scaled by 2^-shift (load_q_f16's rule: the
-// largest finite |q| of the CTA lands in [2^14, 2^15)), columns in the permuted order: f16, but
-// the 656-byte layout's rope tile bf16. Thread wtid of WG0's 128 takes head wtid / 8 and
-// values [8 (wtid % 8), + 8) of every column group. Writes shift to *q_shift and arrives on bar_q.
+// largest finite |q| of the item lands in [2^14, 2^15)), columns in the permuted order: f16, but
+// the 656-byte layout's rope tile bf16. Thread wtid of a consumer group's 128 takes head wtid / 8
+// and values [8 (wtid % 8), + 8) of every column group; `sync` is the group's named barrier for
+// the maximum. Writes shift to *q_shift and arrives on bar_q.
 template <KvLayout kLayout>
 __device__ __forceinline__ void load_q_permuted(const SparseMlaParams& p, int64_t t, int head0,
                                                 uint32_t q_tiles, uint32_t* amax_scratch,
-                                                int* q_shift, uint32_t bar_q, int wtid) {
+                                                int* q_shift, uint32_t bar_q, int sync, int wtid) {
   using F = FewHeadsFp8Config<kLayout>;
   const int h = wtid / 8, c8 = wtid % 8, head = head0 + h;
   const bool ok = head < p.num_heads;
@@ -138,7 +179,7 @@ __device__ __forceinline__ void load_q_permuted(const SparseMlaParams& p, int64_
   uint32_t m2 = 0;
 #pragma unroll
   for (int u = 0; u < F::kGroups; ++u) fold_finite_max_bf16(m2, load(u));
-  const int shift = q_f16_shift(m2, amax_scratch, q_shift, wtid);
+  const int shift = q_f16_shift(m2, amax_scratch, q_shift, wtid, sync);
   const float down = __int_as_float((127 - shift) << 23);  // 2^-shift
 #pragma unroll
   for (int u = 0; u < F::kGroups; ++u) {
@@ -178,39 +219,47 @@ __device__ __forceinline__ int32_t checked_location(const SparseMlaParams& p, in
   return value < p.num_locations ? value : -1;
 }
 
-// The producer warpgroup: every block's 64 rows as stored into the ring, from the CTA's start (Q
-// is WG0's). Warp w copies rows [16w, 16w + 16), kRowChunks chunks of 16 bytes each: chunk
-// f = 32 i + lane of its 16 rows at step i, so a warp's copies of one step are consecutive chunks
-// of one or two rows (a few 128-byte lines, not one line per lane); lane r < 16 holds row
-// 16w + r's location, loaded kSlotsAhead blocks before its block's copies (the load's latency
-// behind theirs).
+// The producer warpgroup: every block's 64 rows of both items as stored into the ring, in
+// PairOrder, from the CTA's start (each item's Q is its group's). Warp w copies rows
+// [16w, 16w + 16), kRowChunks chunks of 16 bytes each: chunk f = 32 i + lane of its 16 rows at
+// step i, so a warp's copies of one step are consecutive chunks of one or two rows (a few
+// 128-byte lines, not one line per lane); lane r < 16 holds row 16w + r's location, loaded
+// kSlotsAhead ring indices before its block's copies (the load's latency behind theirs).
 template <KvLayout kLayout>
 __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, char* smem,
-                                                   const CtaWork& work, int num_blocks, int wtid) {
+                                                   const PairWork& work, int wtid) {
   using F = FewHeadsFp8Config<kLayout>;
   constexpr int kChunks = 16 * F::kRowChunks;  // a warp's chunks of one block
   constexpr int kSlotsAhead = 3;
+  const int num_blocks = work.order.total();
   if (num_blocks == 0) return;
   const uint32_t base = smem_addr(smem);
   const int warp = wtid / 32, lane = wtid % 32;
-  const auto row_slot = [&](int blk) {
-    return slot_value(work, blk * F::kBlock + 16 * warp + lane % 16);
+  // The slot value of this lane's row of the block at ring index i (-1 past the last).
+  const auto row_slot = [&](int i) {
+    if (i >= num_blocks) return -1;
+    int item, b;
+    work.order.at(i, item, b);
+    const int slot = b * F::kBlock + 16 * warp + lane % 16;
+    const int num_slots = item == 0 ? work.item[0].num_slots : work.item[1].num_slots;
+    const int32_t* slots = item == 0 ? work.item[0].slots : work.item[1].slots;
+    return slot < num_slots ? __ldg(slots + slot) : -1;
   };
-  int32_t ahead[kSlotsAhead];  // ahead[a]: this lane's row of block blk + a
+  int32_t ahead[kSlotsAhead];  // ahead[a]: this lane's row of ring index i + a
 #pragma unroll
   for (int a = 0; a < kSlotsAhead; ++a) ahead[a] = row_slot(a);
 #pragma unroll 1
-  for (int blk = 0; blk < num_blocks; ++blk) {
-    const int stage = blk % F::kStages;
+  for (int i = 0; i < num_blocks; ++i) {
+    const int stage = i % F::kStages;
     const int32_t loc = checked_location(p, ahead[0]);
 #pragma unroll
     for (int a = 0; a + 1 < kSlotsAhead; ++a) ahead[a] = ahead[a + 1];
-    ahead[kSlotsAhead - 1] = row_slot(blk + kSlotsAhead);
-    sm90::mbarrier_wait(base + F::kBarEmpty + 8 * stage, ((blk / F::kStages) & 1) ^ 1);
+    ahead[kSlotsAhead - 1] = row_slot(i + kSlotsAhead);
+    sm90::mbarrier_wait(base + F::kBarEmpty + 8 * stage, ((i / F::kStages) & 1) ^ 1);
     const uint32_t rows = base + F::kRing + stage * F::kStageBytes + 16 * warp * F::kRowStride;
 #pragma unroll
-    for (int i = 0; i < (kChunks + 31) / 32; ++i) {
-      const int f = 32 * i + lane, r = f / F::kRowChunks, c = f - r * F::kRowChunks;
+    for (int k = 0; k < (kChunks + 31) / 32; ++k) {
+      const int f = 32 * k + lane, r = f / F::kRowChunks, c = f - r * F::kRowChunks;
       const int32_t row_loc = __shfl_sync(0xffffffffu, loc, r % 16);
       if (kChunks % 32 == 0 || f < kChunks)
         cp_async_16(rows + r * F::kRowStride + 16 * c, pool_row<kLayout>(p, row_loc) + 16 * c,
@@ -234,11 +283,11 @@ __device__ __forceinline__ float pow2_inverse(uint32_t bits) {
 }
 
 // The keys-on-M kernels' start: thread 0 initializes a ring's kStages full / empty mbarriers
-// (bar_full / bar_empty + 8 · stage) and Q's (bar_q), 128 arrivals each; then the producer
-// (warpgroup 2) lowers its registers, runs produce() and gets false, and the consumers raise
-// theirs and get true. Each derives the CTA's work after the reallocation (a value held across
-// it is spilled).
-template <int kStages, typename Produce>
+// (bar_full / bar_empty + 8 · stage) and kQBars for Q (bar_q + 8 · i), 128 arrivals each; then the
+// producer (warpgroup 2) lowers its registers, runs produce() and gets false, and the consumers
+// raise theirs and get true. Each derives the CTA's work after the reallocation (a value held
+// across it is spilled).
+template <int kStages, int kQBars, typename Produce>
 __device__ __forceinline__ bool start_keys_on_m_cta(uint32_t bar_full, uint32_t bar_empty,
                                                     uint32_t bar_q, int& wg, int& wtid,
                                                     Produce&& produce) {
@@ -247,7 +296,7 @@ __device__ __forceinline__ bool start_keys_on_m_cta(uint32_t bar_full, uint32_t 
       sm90::mbarrier_init(bar_full + 8 * s, 128);
       sm90::mbarrier_init(bar_empty + 8 * s, 128);
     }
-    sm90::mbarrier_init(bar_q, 128);
+    for (int i = 0; i < kQBars; ++i) sm90::mbarrier_init(bar_q + 8 * i, 128);
     sm90::fence_barrier_init();
   }
   __syncthreads();
@@ -269,24 +318,25 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   constexpr sm90::Ab kAb = sm90::Ab::kF16;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = smem_addr(smem);
-  const auto blocks_of = [](const CtaWork& w) { return (w.num_slots + F::kBlock - 1) / F::kBlock; };
   int wg, wtid;
-  if (!start_keys_on_m_cta<F::kStages>(
-          base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ, wg, wtid, [&] {
-            const CtaWork work = cta_work(p, F::kHeads);
-            produce_raw_blocks<kLayout>(p, smem, work, blocks_of(work), wtid);
-          }))
+  if (!start_keys_on_m_cta<F::kStages, 2>(base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ,
+                                          wg, wtid, [&] {
+                                            const PairWork work = pair_work(p);
+                                            produce_raw_blocks<kLayout>(p, smem, work, wtid);
+                                          }))
     return;
-  const CtaWork work = cta_work(p, F::kHeads);
-  const int num_blocks = blocks_of(work);
+  const PairWork pair = pair_work(p);
+  if (wg == 1 && !pair.has_second) return;
 
-  // ---- consumers: group wg takes blocks wg, wg + 2, ... --------------------------------------
+  // ---- consumers: group wg takes every block of item wg ---------------------------------------
+  const CtaWork work = wg == 0 ? pair.item[0] : pair.item[1];
+  const int my_blocks = wg == 0 ? pair.order.n[0] : pair.order.n[1];
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
-  const uint32_t q_tiles = base + F::kQ;
+  const uint32_t q_tiles = base + F::kQ + wg * F::kQBytes;
   const uint32_t pt_tiles = base + F::kPt + wg * F::kPtTiles * F::kTileBytes;
   float* warp_heads = reinterpret_cast<float*>(smem + F::kWarpHeads) + wg * 4 * F::kHeads;
   float* warp_scales = reinterpret_cast<float*>(smem + F::kWarpScales) + wg * 16;
-  float* merge = reinterpret_cast<float*>(smem + F::kMerge);  // [group][m, l, max][16]
+  int* q_shift = reinterpret_cast<int*>(smem + F::kQShift) + wg;
   // fp8-raw: every stored value is code · k_scale, so k_scale multiplies S and O. 656-byte: the
   // tile scales enter Sᵀ per tile and Pᵀ per tile; O's tile t is kept in units of sigma[t] (bits).
   uint32_t sigma[4] = {1u << 23, 1u << 23, 1u << 23, 1u << 23};  // 2^-126: no scale read yet
@@ -453,14 +503,12 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     sm90::fence_operands(ao[1]);
   };
 
-  const int my_blocks = (num_blocks - wg + 1) / 2;
-  if (wg == 0 && my_blocks > 0)  // while the producer fills the ring
+  if (my_blocks > 0) {  // while the producer fills the ring
     load_q_permuted<kLayout>(p, work.t, work.head0, q_tiles,
-                             reinterpret_cast<uint32_t*>(smem + F::kQAmax),
-                             reinterpret_cast<int*>(smem + F::kQShift), base + F::kBarQ, wtid);
-  if (my_blocks > 0) {
-    sm90::mbarrier_wait(base + F::kBarQ, 0);
-    scale_log2 *= __int_as_float((127 + *reinterpret_cast<const int*>(smem + F::kQShift)) << 23);
+                             reinterpret_cast<uint32_t*>(smem + F::kQAmax) + 4 * wg, q_shift,
+                             base + F::kBarQ + 8 * wg, F::kSyncQ + wg, wtid);
+    sm90::mbarrier_wait(base + F::kBarQ + 8 * wg, 0);
+    scale_log2 *= __int_as_float((127 + *q_shift) << 23);
   }
   // The slot values of this thread's two Sᵀ rows of block blk (whether they read a row): loaded
   // a block ahead (next), checked as their block starts.
@@ -469,17 +517,17 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     for (int r = 0; r < 2; ++r) v[r] = slot_value(work, blk * F::kBlock + fp8_row_of(m_own[r]));
   };
   int32_t next[2] = {-1, -1};
-  if (my_blocks > 0) row_slots(wg, next);
+  if (my_blocks > 0) row_slots(0, next);
 
 #pragma unroll 1
-  for (int n = 0; n < my_blocks; ++n) {
-    const int blk = 2 * n + wg, stage = blk % F::kStages;
+  for (int blk = 0; blk < my_blocks; ++blk) {
+    const int i = pair.order.index(wg, blk), stage = i % F::kStages;  // its ring index
     const uint32_t buffer = base + F::kRing + stage * F::kStageBytes;
     bool ok[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) ok[r] = checked_location(p, next[r]) >= 0;
-    if (n + 1 < my_blocks) row_slots(blk + 2, next);
-    sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (blk / F::kStages) & 1);
+    if (blk + 1 < my_blocks) row_slots(blk + 1, next);
+    sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (i / F::kStages) & 1);
     // 656-byte: per tile, the largest finite |scale| of this thread's two rows.
     float scale_max[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (F::kScaled)
@@ -559,21 +607,17 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     compute_o(buffer, base + F::kBarEmpty + 8 * stage);
   }
 
-  // ---- epilogue: the two groups merged, normalize, write -------------------------------------
-  // Once both groups' (m, l, max) are in, both are done with the ring (every block the producer
-  // copied has been read: buffer 0 is free for WG1's scaled Oᵀ).
-  float total[4], factor[4], offset[4];
-  float* staged = reinterpret_cast<float*>(smem + F::kRing);  // [64 values][128 threads]
+  // ---- epilogue: normalize, write ------------------------------------------------------------
+  float total[4], factor[4], offset[4], maxima[4];
   if constexpr (F::kScaled)
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt)
 #pragma unroll
       for (int i = 0; i < 8; ++i) o[mt][i] *= __uint_as_float(sigma[mt / 2]);
   const float value_scale = F::kScaled ? 1.f : p.k_scale;
-  softmax.merge_and_stage(o, warp_heads, merge, staged, wg, wtid, F::kSyncHeads + wg, F::kSyncMerge,
-                          F::kSyncStaged, value_scale, total, factor, offset);
-  if (wg == 1) return;
-  write_heads(p, work, warp, g, q, total, offset, merge, [&](int hi, int64_t th) {
+  softmax.finish_alone(warp_heads, warp, g, q, F::kSyncHeads + wg, value_scale, total, factor,
+                       offset, maxima);
+  write_heads(p, work, warp, g, q, total, offset, maxima, [&](int hi, int64_t th) {
     // packed[mt]: the dims of (mt, r = 0, 1), value accumulator 4 (hi / 2) + 2 r + hi % 2 of mt.
     uint32_t packed[8];
 #pragma unroll
@@ -582,7 +626,7 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int i = 4 * (hi / 2) + 2 * r + hi % 2;
-        x[r] = o[mt][i] * factor[hi] + staged[(mt * 8 + i) * 128 + wtid];
+        x[r] = o[mt][i] * factor[hi];
       }
       packed[mt] = pack_bf16x2(x[0], x[1]);
     }
@@ -600,14 +644,15 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   });
 }
 
-// FP8 pools at H <= 16: one CTA per token (16 heads per CTA above that).
+// FP8 pools: work items of 16 heads (one per token at H <= 16), two per CTA (pair_work).
 template <KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90_few_heads_fp8(const SparseMlaParams& params, cudaStream_t stream) {
   using F = FewHeadsFp8Config<kLayout>;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
-  const int64_t num_groups = (params.num_heads + F::kHeads - 1) / F::kHeads;
+  const int64_t num_items = params.num_tokens * ((params.num_heads + F::kHeads - 1) / F::kHeads);
+  if (num_items > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
   return launch_sm90_sparse<&sparse_mla_sm90_few_heads_fp8_kernel<kLayout>>(
-      params, params.num_tokens * num_groups, F::kSmemBytes, stream);
+      params, (num_items + 1) / 2, F::kSmemBytes, stream);
 }
 
 }  // namespace dsakit::cuda::sparse_mla

@@ -153,11 +153,11 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   const uint32_t base = smem_addr(smem);
   const auto blocks_of = [](const CtaWork& w) { return (w.num_slots + C::kBlock - 1) / C::kBlock; };
   int wg, wtid;
-  if (!start_keys_on_m_cta<F::kStages>(base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ, wg,
-                                       wtid, [&] {
-                                         const CtaWork work = cta_work(p, F::kHeads);
-                                         produce_bf16_halves(p, base, work, blocks_of(work), wtid);
-                                       }))
+  if (!start_keys_on_m_cta<F::kStages, 1>(
+          base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ, wg, wtid, [&] {
+            const CtaWork work = cta_work(p, F::kHeads);
+            produce_bf16_halves(p, base, work, blocks_of(work), wtid);
+          }))
     return;
   const CtaWork work = cta_work(p, F::kHeads);
   const int num_blocks = blocks_of(work);
@@ -242,12 +242,12 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   // ---- epilogue: the two groups merged, normalize, write -------------------------------------
   // Once both groups' (m, l, max) are in, both are done with the ring (every half the producer
   // copied has been read: stage 0 is free for WG1's scaled Oᵀ).
-  float total[4], factor[4], offset[4];
+  float total[4], factor[4], offset[4], maxima[4];
   float* staged = reinterpret_cast<float*>(smem + F::kRing);  // [64 values][128 threads]
   softmax.merge_and_stage(o, warp_heads, merge, staged, wg, wtid, F::kSyncHeads + wg, F::kSyncMerge,
-                          F::kSyncMerge, 1.f, total, factor, offset);
+                          F::kSyncMerge, 1.f, total, factor, offset, maxima);
   if (wg == 1) return;
-  write_heads(p, work, warp, g, q, total, offset, merge, [&](int hi, int64_t th) {
+  write_heads(p, work, warp, g, q, total, offset, maxima, [&](int hi, int64_t th) {
     // bf16 bits, one value a store (a warp's store covers 4 heads x 8 consecutive dims).
     uint16_t* out = reinterpret_cast<uint16_t*>(p.o_lat + th * kDimLatent);
 #pragma unroll

@@ -92,11 +92,13 @@ struct FewHeadsSoftmax {
 
   // merge_groups, then WG1's O scaled by its factors into staged (f32 [64 values][128 threads])
   // for WG0 to add once both groups pass barrier `sync_staged` (256 threads); WG1 is done then.
+  // maxima: per head hi, the larger of the two groups' exact maxima.
   __device__ __forceinline__ void merge_and_stage(const float (&o)[8][8], float* warp_heads,
                                                   float* merge, float* staged, int wg, int wtid,
                                                   int sync_heads, int sync_merge, int sync_staged,
                                                   float value_scale, float (&total)[4],
-                                                  float (&factor)[4], float (&offset)[4]) const {
+                                                  float (&factor)[4], float (&offset)[4],
+                                                  float (&maxima)[4]) const {
     const int warp = wtid / 32, g = wtid % 32 / 4, q = wtid % 4;
     merge_groups(warp_heads, merge, wg, warp, g, q, sync_heads, sync_merge, value_scale, total,
                  factor, offset);
@@ -107,9 +109,51 @@ struct FewHeadsSoftmax {
         for (int i = 0; i < 8; ++i)  // accumulator i = 4 j + 2 r + c holds head hi = 2 j + c
           staged[(mt * 8 + i) * 128 + wtid] = o[mt][i] * factor[2 * (i / 4) + i % 2];
     sm90::named_barrier_sync(sync_staged, 256);
+#pragma unroll
+    for (int hi = 0; hi < 4; ++hi) {
+      const int head = head_of(hi, q);
+      maxima[hi] = fmaxf(merge[2 * kHeads + head], merge[5 * kHeads + head]);
+    }
+  }
+
+  // A group that takes every block of its token (no other group to merge with): its per-head sums
+  // over its 128 threads (warp_heads, barrier `sync_heads`; the group's last barrier before it
+  // ordered every read of the maxima there). Per head hi: total, offset and factor as
+  // merge_groups gives them, maxima = the group's exact max (m_true, uniform over the group).
+  __device__ __forceinline__ void finish_alone(float* warp_heads, int warp, int g, int q,
+                                               int sync_heads, float value_scale, float (&total)[4],
+                                               float (&factor)[4], float (&offset)[4],
+                                               float (&maxima)[4]) const {
+    sum_heads(warp_heads, warp, g, q, sync_heads);
+#pragma unroll
+    for (int hi = 0; hi < 4; ++hi) {
+      const int head = head_of(hi, q);
+      float x = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) x += warp_heads[w * kHeads + head];
+      total[hi] = x;
+      offset[hi] = m[hi];
+      factor[hi] = x == 0.f ? 0.f : value_scale / x;
+      maxima[hi] = m_true[hi];
+    }
   }
 
  private:
+  // Each warp's per-head sums of l into warp_heads (f32 [4 warps][16]), then barrier `sync_heads`
+  // of the group's 128 threads.
+  __device__ __forceinline__ void sum_heads(float* warp_heads, int warp, int g, int q,
+                                            int sync_heads) const {
+#pragma unroll
+    for (int hi = 0; hi < 4; ++hi) {
+      float x = l[hi];
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      if (g == 0) warp_heads[warp * kHeads + head_of(hi, q)] = x;
+    }
+    sm90::named_barrier_sync(sync_heads, 128);
+  }
+
   // merge_and_stage's first part: the group's per-head sums over its 128 threads (warp_heads,
   // barrier `sync_heads`; the group's last barrier before it ordered every read of the maxima
   // there), both groups' (m, l, max) through merge (f32 [2 groups][m, l, max][16], barrier
@@ -120,15 +164,7 @@ struct FewHeadsSoftmax {
                                                int g, int q, int sync_heads, int sync_merge,
                                                float value_scale, float (&total)[4],
                                                float (&factor)[4], float (&offset)[4]) const {
-#pragma unroll
-    for (int hi = 0; hi < 4; ++hi) {
-      float x = l[hi];
-      x += __shfl_xor_sync(0xffffffffu, x, 4);
-      x += __shfl_xor_sync(0xffffffffu, x, 8);
-      x += __shfl_xor_sync(0xffffffffu, x, 16);
-      if (g == 0) warp_heads[warp * kHeads + head_of(hi, q)] = x;
-    }
-    sm90::named_barrier_sync(sync_heads, 128);
+    sum_heads(warp_heads, warp, g, q, sync_heads);
     if (warp == 0 && g == 0)
 #pragma unroll
       for (int hi = 0; hi < 4; ++hi) {
@@ -153,27 +189,25 @@ struct FewHeadsSoftmax {
   }
 };
 
-// WG0's output: for each head hi of this thread below H, store(hi, th) writes its o_lat row
+// A group's output: for each head hi of this thread below H, store(hi, th) writes its o_lat row
 // th = t · H + head; warp 0's lanes 0-3 (g = 0) also write lse (natural log; +inf where no slot
-// was valid) and max_logits (if asked), from merge_and_stage's total / offset and the merged
-// maxima.
+// was valid) and max_logits (if asked), from total / offset / maxima (merge_and_stage's or
+// finish_alone's).
 template <typename Store>
 __device__ __forceinline__ void write_heads(const SparseMlaParams& p, const CtaWork& work, int warp,
                                             int g, int q, const float (&total)[4],
-                                            const float (&offset)[4], const float* merge,
+                                            const float (&offset)[4], const float (&maxima)[4],
                                             Store&& store) {
-  constexpr int kHeads = FewHeadsSoftmax::kHeads;
 #pragma unroll
   for (int hi = 0; hi < 4; ++hi) {
-    const int h = FewHeadsSoftmax::head_of(hi, q), head = work.head0 + h;
+    const int head = work.head0 + FewHeadsSoftmax::head_of(hi, q);
     if (head >= p.num_heads) continue;
     const int64_t th = work.t * p.num_heads + head;
     store(hi, th);
     if (warp != 0 || g != 0) continue;
     p.lse[th] = total[hi] == 0.f ? INFINITY : (offset[hi] + log2f(total[hi])) * kLn2;
     if (p.max_logits != nullptr)
-      p.max_logits[th] =
-          total[hi] == 0.f ? -INFINITY : fmaxf(merge[2 * kHeads + h], merge[5 * kHeads + h]) * kLn2;
+      p.max_logits[th] = total[hi] == 0.f ? -INFINITY : maxima[hi] * kLn2;
   }
 }
 

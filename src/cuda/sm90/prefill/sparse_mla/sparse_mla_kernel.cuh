@@ -321,13 +321,13 @@ __device__ __forceinline__ void fold_finite_max_bf16(uint32_t& m2, uint4 v) {
 
 // The power-of-two exponent `shift` that scales Q (bf16) into f16: the largest finite |q| over
 // the producer warpgroup's 128 threads (m2: each thread's fold_finite_max_bf16) lands in
-// [2^14, 2^15) at Q · 2^-shift. Reduced through amax_scratch (u32 [4]) and named barrier
-// kSyncProducer; thread 0 writes it to *q_shift.
+// [2^14, 2^15) at Q · 2^-shift. Reduced through amax_scratch (u32 [4]) and named barrier `sync`
+// of those 128 threads; thread 0 writes it to *q_shift.
 __device__ __forceinline__ int q_f16_shift(uint32_t m2, uint32_t* amax_scratch, int* q_shift,
-                                           int wtid) {
+                                           int wtid, int sync = Sm90Config::kSyncProducer) {
   uint32_t m = __reduce_max_sync(0xffffffffu, max(m2 & 0xffffu, m2 >> 16));
   if (wtid % 32 == 0) amax_scratch[wtid / 32] = m;
-  sm90::named_barrier_sync(Sm90Config::kSyncProducer, 128);
+  sm90::named_barrier_sync(sync, 128);
   m = max(max(amax_scratch[0], amax_scratch[1]), max(amax_scratch[2], amax_scratch[3]));
   // m's exponent field E: the largest |q| is in [2^(E-127), 2^(E-126)).
   const int shift = m == 0 ? 0 : min(max(int(m >> 7) - 127 - 14, -112), 112);
@@ -509,16 +509,23 @@ struct CtaWork {
   const int32_t* slots;
 };
 
-__device__ __forceinline__ CtaWork cta_work(const SparseMlaParams& p, int heads_per_cta) {
+// Work item `item` (< num_tokens · ceil(H / heads_per_cta)): the last tokens first, a token's head
+// groups in order.
+__device__ __forceinline__ CtaWork cta_work(const SparseMlaParams& p, int heads_per_cta,
+                                            unsigned item) {
   const int num_groups = (p.num_heads + heads_per_cta - 1) / heads_per_cta;
   CtaWork w;
-  w.t = p.num_tokens - 1 - int64_t(blockIdx.x / num_groups);
-  w.head0 = int(blockIdx.x % num_groups) * heads_per_cta;
+  w.t = p.num_tokens - 1 - int64_t(item / num_groups);
+  w.head0 = int(item % num_groups) * heads_per_cta;
   w.num_slots = p.topk;
   if (p.topk_length != nullptr) w.num_slots = min(max(p.topk_length[w.t], 0), p.topk);
   w.num_iters = (w.num_slots + 2 * Sm90Config::kBlock - 1) / (2 * Sm90Config::kBlock);
   w.slots = p.indices + w.t * p.topk;
   return w;
+}
+// This CTA's item: one per CTA.
+__device__ __forceinline__ CtaWork cta_work(const SparseMlaParams& p, int heads_per_cta) {
+  return cta_work(p, heads_per_cta, blockIdx.x);
 }
 
 // The producer warpgroup of a CTA (thread wtid of 128), for a token with a slot to read: Q of
