@@ -127,10 +127,7 @@ struct FewHeadsSoftmax {
     sum_heads(warp_heads, warp, g, q, sync_heads);
 #pragma unroll
     for (int hi = 0; hi < 4; ++hi) {
-      const int head = head_of(hi, q);
-      float x = 0.f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) x += warp_heads[w * kHeads + head];
+      const float x = group_sum(warp_heads, head_of(hi, q));
       total[hi] = x;
       offset[hi] = m[hi];
       factor[hi] = x == 0.f ? 0.f : value_scale / x;
@@ -153,6 +150,13 @@ struct FewHeadsSoftmax {
     }
     sm90::named_barrier_sync(sync_heads, 128);
   }
+  // After sum_heads: head's sum over the group's four warps.
+  __device__ static float group_sum(const float* warp_heads, int head) {
+    float x = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) x += warp_heads[w * kHeads + head];
+    return x;
+  }
 
   // merge_and_stage's first part: the group's per-head sums over its 128 threads (warp_heads,
   // barrier `sync_heads`; the group's last barrier before it ordered every read of the maxima
@@ -169,9 +173,7 @@ struct FewHeadsSoftmax {
 #pragma unroll
       for (int hi = 0; hi < 4; ++hi) {
         const int head = head_of(hi, q);
-        float x = 0.f;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) x += warp_heads[w * kHeads + head];
+        const float x = group_sum(warp_heads, head);
         merge[(wg * 3 + 0) * kHeads + head] = m[hi];
         merge[(wg * 3 + 1) * kHeads + head] = x;
         merge[(wg * 3 + 2) * kHeads + head] = m_true[hi];
