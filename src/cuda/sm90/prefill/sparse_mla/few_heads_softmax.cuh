@@ -3,8 +3,9 @@
 // Oᵀ in the m64n16 accumulator layout (thread g = lane / 4, q = lane % 4 of warp w):
 //   s[4j + 2r + c]      = Sᵀ[row 16w + g + 8r][head 8j + 2q + c]      j, r, c in {0, 1}
 //   o[mt][4j + 2r + c]  = Oᵀ[a row of tile mt][head 8j + 2q + c]     mt < 8
-// so a thread holds 4 heads, hi = 2j + c. The kernels' two consumer groups each take their own
-// blocks and meet in the epilogue (merge_and_stage).
+// so a thread holds 4 heads, hi = 2j + c. The bf16 kernel's two consumer groups take alternate
+// blocks of one token and meet in the epilogue (merge_and_stage); the FP8 kernel's each take a
+// work item of their own and finish alone (finish_alone).
 #pragma once
 
 #include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_kernel.cuh"
