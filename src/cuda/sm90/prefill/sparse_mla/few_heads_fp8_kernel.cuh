@@ -25,13 +25,14 @@
 //     below; O_t / σ_t is what the group accumulates (its epilogue multiplies σ_t back).
 //
 // One CTA of three warpgroups per two work items (a work item: a token's 16-head group; at H <= 16
-// two adjacent tokens, whose block counts differ by at most one): consumer group i (WG0 / WG1)
+// two adjacent tokens, in a causal prompt at most one block apart): consumer group i (WG0 / WG1)
 // takes every block of item i with its own online softmax over all 512 dims, converts its item's
-// Q (permuted) at the start and writes its output at the end, so one group's start and end
-// overlap the other's blocks and no partial results meet. WG2 (producer) copies each block of 64
-// selected rows of both items as stored by cp.async into a ring of kStages buffers (5 of 37 KB for
-// fp8-raw rows, 4 of 41 KB for 656-byte ones; invalid rows zero-filled: codes, scales and rope 0),
-// in PairOrder (the items' blocks alternating); ring index i goes to buffer i % kStages.
+// Q (permuted) at the start and writes its output at the end: a CTA's start (Q, the first blocks'
+// fill) and end are paid once per two items, and no partial results meet. WG2 (producer) copies
+// each block of 64 selected rows of both items as stored by cp.async into a ring of kStages buffers
+// (5 of 37 KB for fp8-raw rows, 4 of 41 KB for 656-byte ones; invalid rows zero-filled: codes,
+// scales and rope 0), in PairOrder (the items' blocks alternating); ring index i goes to buffer i %
+// kStages.
 //
 // Row order. Buffer row j holds the block's slot j; M index m (the Sᵀ row, the Oᵀ k index, the
 // Pᵀ column) is buffer row rho(m), rho swapping bits 0 and 2 of m. With an odd row stride in
