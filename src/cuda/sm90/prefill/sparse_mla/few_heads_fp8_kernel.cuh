@@ -222,8 +222,8 @@ __device__ __forceinline__ int32_t checked_location(const SparseMlaParams& p, in
 
 // The producer warpgroup: every block's 64 rows of both items as stored into the ring, in
 // PairOrder, from the CTA's start (each item's Q is its group's). Warp w copies rows
-// [16w, 16w + 16), kRowChunks chunks of 16 bytes each: chunk f = 32 i + lane of its 16 rows at
-// step i, so a warp's copies of one step are consecutive chunks of one or two rows (a few
+// [16w, 16w + 16), kRowChunks chunks of 16 bytes each: chunk f = 32 k + lane of its 16 rows at
+// step k, so a warp's copies of one step are consecutive chunks of one or two rows (a few
 // 128-byte lines, not one line per lane); lane r < 16 holds row 16w + r's location, loaded
 // kSlotsAhead ring indices before its block's copies (the load's latency behind theirs).
 template <KvLayout kLayout>
