@@ -117,7 +117,7 @@ struct FewHeadsSoftmax {
     }
   }
 
-  // A group that takes every block of its token (no other group to merge with): its per-head sums
+  // A group that takes every block of its work item (no group to merge with): its per-head sums
   // over its 128 threads (warp_heads, barrier `sync_heads`; the group's last barrier before it
   // ordered every read of the maxima there). Per head hi: total, offset and factor as
   // merge_groups gives them, maxima = the group's exact max (m_true, uniform over the group).
