@@ -139,7 +139,7 @@ struct PairWork {
   PairOrder order;
 };
 __device__ __forceinline__ PairWork pair_work(const SparseMlaParams& p) {
-  constexpr int kHeads = FewHeadsSoftmax::kHeads, kBlock = 64;
+  constexpr int kHeads = FewHeadsSoftmax::kHeads;
   const unsigned num_items = unsigned(p.num_tokens) * unsigned((p.num_heads + kHeads - 1) / kHeads);
   PairWork w;
   w.has_second = 2 * blockIdx.x + 1 < num_items;
@@ -147,7 +147,7 @@ __device__ __forceinline__ PairWork pair_work(const SparseMlaParams& p) {
   w.item[1] = cta_work(p, kHeads, w.has_second ? 2 * blockIdx.x + 1 : 2 * blockIdx.x);
   if (!w.has_second) w.item[1].num_slots = 0;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) w.order.n[i] = (w.item[i].num_slots + kBlock - 1) / kBlock;
+  for (int i = 0; i < 2; ++i) w.order.n[i] = w.item[i].num_blocks();
   return w;
 }
 

@@ -151,16 +151,15 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   constexpr sm90::Ab kAb = sm90::Ab::kBf16;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = smem_addr(smem);
-  const auto blocks_of = [](const CtaWork& w) { return (w.num_slots + C::kBlock - 1) / C::kBlock; };
   int wg, wtid;
   if (!start_keys_on_m_cta<F::kStages, 1>(
           base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ, wg, wtid, [&] {
             const CtaWork work = cta_work(p, F::kHeads);
-            produce_bf16_halves(p, base, work, blocks_of(work), wtid);
+            produce_bf16_halves(p, base, work, work.num_blocks(), wtid);
           }))
     return;
   const CtaWork work = cta_work(p, F::kHeads);
-  const int num_blocks = blocks_of(work);
+  const int num_blocks = work.num_blocks();
 
   // ---- consumers: group wg takes blocks wg, wg + 2, ... --------------------------------------
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;

@@ -507,6 +507,10 @@ struct CtaWork {
   int num_slots;  // slots read: min(topk_length[t], topk), or topk
   int num_iters;  // pairs of 64-slot blocks
   const int32_t* slots;
+  // 64-slot blocks (the keys-on-M kernels take them one at a time).
+  __device__ int num_blocks() const {
+    return (num_slots + Sm90Config::kBlock - 1) / Sm90Config::kBlock;
+  }
 };
 
 // Work item `item` (< num_tokens · ceil(H / heads_per_cta)): the last tokens first, a token's head
