@@ -200,8 +200,8 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   if (num_heads == 0 || a.num_requests == 0 || a.cu_q_host[a.num_requests] == 0) return;
 
   // Split-KV partials (f32 o + lse per row and slot) stay within their budget, which the
-  // backend reports in dense_mha_scratch_bytes.
-  // Row halves of short tiles only where the kernel spreads their blocks over both groups.
+  // backend reports in dense_mha_scratch_bytes; row halves of long tiles only where the kernel
+  // spreads a short tile's blocks over both groups.
   DenseTileShape shape = wgmma ? dense_sm90_shape(d_v) : kDenseSm80Shape;
   if (!split_short_tiles) shape.short_tile_rows = 0;
   const DenseSchedule schedule = build_dense_schedule(
