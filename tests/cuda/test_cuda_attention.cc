@@ -716,58 +716,27 @@ TEST(DenseMhaSchedule, SplitsLongTilesWhereTheCostModelGains) {
   // A batch of long and short tiles, the wgmma kernel's shape (128 x 128, one CTA per SM), 16
   // heads: the extend of 64 over 1984 (16 blocks of one row group: 16 units) and of 100 over
   // 1900 (16 blocks of two: 32 units) set the whole schedule's time (34 of 8 x 16 = 128 CTAs).
+  // Cut into 2 and 3 runs (8 + 8 and 6 + 6 + 4 blocks; 10-14 units each) the heaviest wave
+  // ends first and the fresh 512-token request's 4 tiles (1-4 blocks, staying whole) fill the
+  // 12 CTAs past one wave: 9 tiles x 16 heads; the merge covers the extends' rows only, two
+  // segments (2 and 3 runs) with the whole tiles' rows between.
   const std::vector<int32_t> cu_q{0, 64, 576, 676}, cu_kv{0, 2048, 2560, 4560};
   const DenseTileShape wgmma = cuda::dense_mha::dense_sm90_shape(128);
-  DenseTileShape no_halves = wgmma;
-  no_halves.short_tile_rows = 0;
+  const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 3, 16, 132,
+                                               kPartialRowBytes, 4560 * 16 * kKvRowBytes, wgmma);
+  EXPECT_TRUE(s.few_waves);
+  EXPECT_EQ(s.parts, 3);
+  EXPECT_EQ(s.tiles.size(), size_t(9));
+  ASSERT_EQ(s.merge_segments.size(), size_t(2));
+  EXPECT_EQ(s.merge_segments[0].parts, 2);
+  EXPECT_EQ(s.merge_segments[1].parts, 3);
+  EXPECT_EQ(s.merge_segments[1].row_begin, 576 * 16);
+  EXPECT_EQ(s.merged_rows, (64 + 100) * 16);
+  expect_schedule_covers(s, {cu_q.begin(), cu_q.end()}, {cu_kv.begin(), cu_kv.end()}, 16, wgmma);
   const DenseSchedule whole =
-      build_dense_schedule(cu_q.data(), cu_kv.data(), 3, 16, 132, kPartialRowBytes, 0, no_halves);
-  EXPECT_EQ(whole.tiles.size(), size_t(6));
+      build_dense_schedule(cu_q.data(), cu_kv.data(), 3, 16, 132, kPartialRowBytes, 0, wgmma);
   EXPECT_EQ(estimated_time(whole, 16, 132, wgmma), 2 + 32);
-  {
-    // Runs only (a kernel that takes no short tiles): the extends cut into 2 and 3 runs (8 + 8
-    // and 6 + 6 + 4 blocks; 10-14 units each), the heaviest wave ends first and the fresh
-    // 512-token request's 4 tiles (1-4 blocks, staying whole) fill the 12 CTAs past one wave:
-    // 9 tiles x 16 heads; the merge covers the extends' rows only, two segments (2 and 3 runs)
-    // with the whole tiles' rows between.
-    SCOPED_TRACE("runs only");
-    const DenseSchedule s =
-        build_dense_schedule(cu_q.data(), cu_kv.data(), 3, 16, 132, kPartialRowBytes,
-                             4560 * 16 * kKvRowBytes, no_halves);
-    EXPECT_TRUE(s.few_waves);
-    EXPECT_EQ(s.parts, 3);
-    EXPECT_EQ(s.tiles.size(), size_t(9));
-    ASSERT_EQ(s.merge_segments.size(), size_t(2));
-    EXPECT_EQ(s.merge_segments[0].parts, 2);
-    EXPECT_EQ(s.merge_segments[1].parts, 3);
-    EXPECT_EQ(s.merge_segments[1].row_begin, 576 * 16);
-    EXPECT_EQ(s.merged_rows, (64 + 100) * 16);
-    expect_schedule_covers(s, cu_q, cu_kv, 16, no_halves);
-    EXPECT_EQ(estimated_time(s, 16, 132, wgmma), 14 + 4);
-  }
-  for (const int64_t budget : {int64_t(0), 4560 * 16 * kKvRowBytes}) {
-    // The wgmma kernel's short tiles: the 100-row extend cut into row halves (64 rows over 16
-    // blocks, 36 rows over 16: 16 units each, both groups on every half) ties the runs at 18
-    // units with no merge and no partials, so it wins with any partials budget: 7 tiles, none
-    // split.
-    SCOPED_TRACE(::testing::Message() << "row halves, budget " << budget);
-    const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), 3, 16, 132,
-                                                 kPartialRowBytes, budget, wgmma);
-    EXPECT_EQ(s.parts, 1);
-    ASSERT_EQ(s.tiles.size(), size_t(7));
-    EXPECT_TRUE(s.merge_segments.empty());
-    EXPECT_EQ(estimated_time(s, 16, 132, wgmma), 2 + 16);
-    int halves = 0;
-    for (const DenseTile& t : s.tiles)
-      if (t.q_begin == 576 || t.q_begin == 576 + 64) {
-        EXPECT_EQ(t.q_len, t.q_begin == 576 ? 64 : 36);
-        EXPECT_EQ(t.first_query_pos, t.q_begin == 576 ? 1900 : 1964);
-        EXPECT_EQ(t.block_end, 16);
-        ++halves;
-      }
-    EXPECT_EQ(halves, 2);
-    expect_schedule_covers(s, cu_q, cu_kv, 16, wgmma);
-  }
+  EXPECT_LT(estimated_time(s, 16, 132, wgmma), estimated_time(whole, 16, 132, wgmma));
   // 128 heads: 6 tiles x 128 = 768 CTAs, many waves: never split, L2 head groups.
   const DenseSchedule many = build_dense_schedule(
       cu_q.data(), cu_kv.data(), 3, 128, 132, kPartialRowBytes, 4560 * 128 * kKvRowBytes, wgmma);
@@ -799,23 +768,16 @@ TEST(DenseMhaSchedule, RandomBatchesAreCoveredExactlyOnce) {
       const DenseSchedule s = build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms,
                                                    kPartialRowBytes, budget, shape);
       expect_schedule_covers(s, cu_q, cu_kv, heads, shape);
-      // The whole tiles: no partials, no row halves.
-      DenseTileShape whole_shape = shape;
-      whole_shape.short_tile_rows = 0;
-      const DenseSchedule whole = build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms,
-                                                       kPartialRowBytes, 0, whole_shape);
-      ASSERT_EQ(whole.parts, 1);
       if (s.parts > 1) {
         EXPECT_LE(s.parts * int64_t(cu_q.back()) * heads * kPartialRowBytes, budget);
-      }
-      if (s.parts > 1 || s.tiles.size() != whole.tiles.size()) {
         EXPECT_TRUE(s.few_waves);
         // Taken only where the model estimates it faster; the tiles within the scratch bound.
+        const DenseSchedule whole = build_dense_schedule(cu_q.data(), cu_kv.data(), b, heads, sms,
+                                                         kPartialRowBytes, 0, shape);
         EXPECT_LT(estimated_time(s, heads, sms, shape), estimated_time(whole, heads, sms, shape));
-        constexpr int64_t kPieces = cuda::dense_mha::kDenseMaxCostGroups;  // row halves
         EXPECT_LE(int64_t(s.tiles.size()),
-                  kPieces * cuda::dense_mha::kDenseMaxSplit * int64_t(whole.tiles.size()));
-        EXPECT_LE(int64_t(s.tiles.size()) * heads, kPieces * cuda::dense_mha::kDenseMaxSplit *
+                  cuda::dense_mha::kDenseMaxSplit * int64_t(whole.tiles.size()));
+        EXPECT_LE(int64_t(s.tiles.size()) * heads, cuda::dense_mha::kDenseMaxSplit *
                                                        cuda::dense_mha::kDenseSplitWaves *
                                                        shape.ctas_per_sm * sms);
       }
@@ -1063,13 +1025,9 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   cases.push_back({192, 256, 4, {{300, 60}, {700, 33}}, 0.2});
   cases.push_back({128, 128, 40, {{2000, 48}}, 0.05});
   cases.push_back({192, 256, 40, {{2000, 48}}, 0.05});
-  // A tile cut into row halves (the wgmma kernel with split blocks: the 100-row extend, no
-  // merge); the fifth run (no split blocks) splits both extends' tiles into runs with whole tiles
-  // between them, the merge covering their rows in two segments.
+  // Split-KV with whole tiles between the split ones (the wgmma kernel splits the two extends'
+  // tiles only; the merge covers their rows in two segments).
   cases.push_back({128, 128, 16, {{1984, 64}, {0, 512}, {1900, 100}}});
-  // Row halves cut into runs: the 119- and 113-row extends' halves, 4 runs each.
-  cases.push_back({128, 128, 16, {{2977, 119}}});
-  cases.push_back({192, 256, 16, {{2711, 113}}});
   constexpr int kDr = 64;
   for (const DenseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {

@@ -200,13 +200,11 @@ void cuda_dense_mha(const DenseMhaArgs& a, int sm_count, cudaStream_t stream,
   if (num_heads == 0 || a.num_requests == 0 || a.cu_q_host[a.num_requests] == 0) return;
 
   // Split-KV partials (f32 o + lse per row and slot) stay within their budget, which the
-  // backend reports in dense_mha_scratch_bytes; row halves of long tiles only where the kernel
-  // spreads a short tile's blocks over both groups.
-  DenseTileShape shape = wgmma ? dense_sm90_shape(d_v) : kDenseSm80Shape;
-  if (!split_short_tiles) shape.short_tile_rows = 0;
+  // backend reports in dense_mha_scratch_bytes.
   const DenseSchedule schedule = build_dense_schedule(
       a.cu_q_host, a.cu_kv_host, a.num_requests, num_heads, sm_count, 4 * int64_t(d_v + 1),
-      dense_partials_budget_bytes(num_kv, num_heads, d_nope, d_v), shape);
+      dense_partials_budget_bytes(num_kv, num_heads, d_nope, d_v),
+      wgmma ? dense_sm90_shape(d_v) : kDenseSm80Shape);
   const std::vector<DenseTile>& tiles = schedule.tiles;
   // mma.sync: a grid that leaves SMs idle with d_v = 256 (GLM-5) runs two CTAs per (tile,
   // head), 128 V columns each (the d_v = 128 instance): both compute S, each does half the P·V

@@ -13,13 +13,10 @@
 
 namespace dsakit::cuda::dense_mha {
 
-// A kernel's tile shape: query rows per tile, kv rows per block (its pipeline stage), the CTAs
-// one SM holds at once (the schedule's split-KV sizing), and the rows of a tile short enough
-// that the kernel spreads its kv blocks over both consumer groups (0: the kernel never does;
-// the schedule may then cut a longer tile into row halves of that size, no merge needed).
+// A kernel's tile shape: query rows per tile, kv rows per block (its pipeline stage), and the
+// CTAs one SM holds at once (the schedule's split-KV sizing).
 struct DenseTileShape {
   int block_m, block_n, ctas_per_sm;
-  int short_tile_rows = 0;
 };
 inline constexpr int kDenseBlockM = 64;  // the mma.sync kernel's query rows per tile
 inline constexpr int kDenseBlockN = 64;  // its kv rows per block
@@ -106,10 +103,9 @@ cudaError_t run_dense_mha_sm90(const DenseMhaParams& params, cudaStream_t stream
 
 // The wgmma kernel's tiles: 128 query rows (two consumer warpgroups of 64), kv blocks of 128
 // rows for d_v <= 128 and 80 for d_v = 256 (the O accumulator's registers and the 2-stage ring's
-// shared memory bound it), one CTA per SM; a tile of <= 64 rows splits its blocks between the
-// groups (DenseMhaParams::split_short_tiles).
+// shared memory bound it), one CTA per SM.
 inline constexpr DenseTileShape dense_sm90_shape(int d_v) {
-  return {128, d_v <= 128 ? 128 : 80, 1, 64};
+  return {128, d_v <= 128 ? 128 : 80, 1};
 }
 
 // What CTA `cta` of the wgmma kernel's grid (num_tiles x num_heads CTAs) computes. Heads go in

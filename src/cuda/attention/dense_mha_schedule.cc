@@ -9,9 +9,6 @@ namespace dsakit::cuda::dense_mha {
 static_assert(kDenseSm80Shape.block_m <= kDenseCostRows * kDenseMaxCostGroups &&
               dense_sm90_shape(128).block_m <= kDenseCostRows * kDenseMaxCostGroups &&
               dense_sm90_shape(256).block_m <= kDenseCostRows * kDenseMaxCostGroups);
-// A row half is one cost group: its units are the whole tile's group terms.
-static_assert(dense_sm90_shape(128).short_tile_rows == kDenseCostRows &&
-              dense_sm90_shape(256).short_tile_rows == kDenseCostRows);
 
 namespace {
 
@@ -83,8 +80,8 @@ int64_t dense_makespan(std::vector<std::pair<int64_t, int64_t>> cost_count, int6
 
 namespace {
 
-// A whole tile (or a row half of one) and what the candidates need of it: its blocks, its units,
-// and dense_run_cost's terms (group_ends).
+// A whole tile and what the candidates need of it: its blocks, its units, and dense_run_cost's
+// terms (group_ends).
 struct WholeTile {
   DenseTile tile;
   int32_t blocks;
@@ -93,25 +90,9 @@ struct WholeTile {
   int32_t seen[kDenseMaxCostGroups];
 };
 
-WholeTile whole_tile(const DenseTile& t, DenseTileShape shape) {
-  WholeTile w{t, t.block_end, 0, 0, {}};
-  w.groups = group_ends(w.tile, shape, w.seen);
-  w.cost = cost_of_blocks(w.seen, w.groups, 0, w.blocks);
-  return w;
-}
-
 int32_t run_cost(const WholeTile& w, int32_t b0, int32_t b1) {
   return cost_of_blocks(w.seen, w.groups, b0, b1);
 }
-
-// A piece of a candidate schedule: a whole tile or a row half of one, cut into runs of `run`
-// blocks (its blocks: left whole).
-struct Piece {
-  const WholeTile* tile;
-  int32_t run;
-  int32_t runs() const { return (tile->blocks + run - 1) / run; }
-  bool operator==(const Piece&) const = default;
-};
 
 }  // namespace
 
@@ -119,118 +100,88 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
                                    int64_t num_heads, int sm_count, int64_t partial_row_bytes,
                                    int64_t max_partial_bytes, DenseTileShape shape) {
   DenseSchedule s;
-  // The whole tiles, and each one's two row halves where the kernel splits short tiles' blocks
-  // (halves[2i], halves[2i + 1]: rows [0, short_tile_rows) and the rest; unused where tile i is
-  // short already). Both vectors are sized before any Piece points into them.
-  std::vector<WholeTile> whole, halves;
+  std::vector<WholeTile> whole;
   size_t num_whole = 0;
   for (int r = 0; r < num_requests; ++r)
     num_whole += size_t((cu_q[r + 1] - cu_q[r] + shape.block_m - 1) / shape.block_m);
   whole.reserve(num_whole);
-  const int32_t half_rows = shape.short_tile_rows;
-  const auto blocks_seen = [&](int32_t first_query_pos, int32_t q_len) {
-    return (first_query_pos + q_len + shape.block_n - 1) / shape.block_n;
-  };
   int32_t max_blocks = 0, max_cost = 0;
   for (int r = 0; r < num_requests; ++r) {
     const int32_t q_begin = cu_q[r], extend = cu_q[r + 1] - q_begin;
     const int32_t prefix = cu_kv[r + 1] - cu_kv[r] - extend;
     for (int32_t i0 = 0; i0 < extend; i0 += shape.block_m) {
-      const int32_t q_len = std::min(shape.block_m, extend - i0), pos = prefix + i0;
-      whole.push_back(
-          whole_tile({q_begin + i0, q_len, cu_kv[r], pos, 0, blocks_seen(pos, q_len), 0}, shape));
-      max_blocks = std::max(max_blocks, whole.back().blocks);
-      max_cost = std::max(max_cost, whole.back().cost);
+      const int32_t q_len = std::min(shape.block_m, extend - i0);
+      const int32_t blocks = (prefix + i0 + q_len + shape.block_n - 1) / shape.block_n;
+      WholeTile w{{q_begin + i0, q_len, cu_kv[r], prefix + i0, 0, blocks, 0}, blocks, 0, 0, {}};
+      w.groups = group_ends(w.tile, shape, w.seen);
+      w.cost = run_cost(w, 0, blocks);
+      whole.push_back(w);
+      max_blocks = std::max(max_blocks, blocks);
+      max_cost = std::max(max_cost, w.cost);
     }
   }
   const int64_t slots = int64_t(shape.ctas_per_sm) * std::max(sm_count, 1);
   s.few_waves = int64_t(whole.size()) * num_heads < kDenseSplitWaves * slots;
-  const bool halvable = s.few_waves && half_rows > 0 && half_rows < shape.block_m;
-  if (halvable) {
-    halves.resize(2 * whole.size());
-    for (size_t i = 0; i < whole.size(); ++i) {
-      const DenseTile& t = whole[i].tile;
-      if (t.q_len <= half_rows) continue;
-      const int32_t pos = t.first_query_pos + half_rows, rest = t.q_len - half_rows;
-      halves[2 * i] = whole_tile({t.q_begin, half_rows, t.kv_begin, t.first_query_pos, 0,
-                                  blocks_seen(t.first_query_pos, half_rows), 0},
-                                 shape);
-      halves[2 * i + 1] = whole_tile(
-          {t.q_begin + half_rows, rest, t.kv_begin, pos, 0, blocks_seen(pos, rest), 0}, shape);
-    }
-  }
-  std::vector<Piece> best;
-  best.reserve(whole.size());
-  for (const WholeTile& w : whole) best.push_back({&w, w.blocks});
-  if (s.few_waves) {
-    // Candidates, for each k in kDenseSplitCandidates: every tile costing more than max_cost / k
-    // cut into ceil(cost / (max_cost / k)) runs of equal block counts (fewer where it has fewer
-    // blocks) or, where the kernel takes short tiles, first into its row halves, each then cut
-    // the same way if it still costs more. The first of the least estimated time wins, the
-    // whole schedule unless a candidate beats it. Runs (split-KV) need a tile over >=
-    // kDenseMinSplitRows kv rows and partial slots within max_partial_bytes; row halves need
-    // neither (no partials, no merge).
-    const bool may_split = int64_t(max_blocks) * shape.block_n >= kDenseMinSplitRows;
+  // Blocks per run of each whole tile in the chosen schedule (its blocks: whole); a tile's runs
+  // are ceil(blocks / run), the last may be shorter.
+  std::vector<int32_t> best_run(whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) best_run[i] = whole[i].blocks;
+  const auto runs_of = [&](size_t i, int32_t run) { return (whole[i].blocks + run - 1) / run; };
+  if (s.few_waves && int64_t(max_blocks) * shape.block_n >= kDenseMinSplitRows) {
+    // Candidates: every tile costing more than max_cost / k (k in kDenseSplitCandidates) cut
+    // into ceil(cost / (max_cost / k)) runs of equal block counts (fewer where it has fewer
+    // blocks); the first of the least estimated time wins, the whole schedule unless a split
+    // beats it.
     const int64_t slot_bytes = int64_t(cu_q[num_requests]) * num_heads * partial_row_bytes;
     std::vector<std::pair<int64_t, int64_t>> ctas;
     for (const WholeTile& w : whole) ctas.emplace_back(kDenseCtaCost + w.cost, num_heads);
     std::vector<int64_t> loads;
     int64_t best_time = makespan_within(ctas, slots, INT64_MAX, loads);
-    std::vector<Piece> plan, previous = best;
-    for (const int32_t k : kDenseSplitCandidates)
-      for (const bool halve : {false, true}) {
-        if (halve && !halvable) continue;
-        const int32_t max_run_cost = (max_cost + k - 1) / k;
-        int32_t parts = 1;
-        const auto add = [&](const WholeTile& w) {
-          int32_t run = w.blocks;
-          if (w.cost > max_run_cost) {
-            const int32_t wanted = std::min(w.blocks, (w.cost + max_run_cost - 1) / max_run_cost);
-            run = (w.blocks + wanted - 1) / wanted;
-          }
-          plan.push_back({&w, run});
-          parts = std::max(parts, plan.back().runs());
-        };
-        plan.clear();
-        for (size_t i = 0; i < whole.size(); ++i) {
-          if (halve && whole[i].cost > max_run_cost && whole[i].tile.q_len > half_rows) {
-            add(halves[2 * i]);
-            add(halves[2 * i + 1]);
-          } else {
-            add(whole[i]);
-          }
+    std::vector<int32_t> run(whole.size()), previous = best_run;
+    for (const int32_t k : kDenseSplitCandidates) {
+      const int32_t max_run_cost = (max_cost + k - 1) / k;
+      int32_t parts = 1;
+      for (size_t i = 0; i < whole.size(); ++i) {
+        const WholeTile& w = whole[i];
+        if (w.cost <= max_run_cost) {
+          run[i] = w.blocks;
+          continue;
         }
-        if (plan == previous) continue;
-        previous = plan;
-        if (parts > 1 && (!may_split || parts * slot_bytes > max_partial_bytes)) continue;
-        // Its least possible time first: the costliest CTA, or all of them spread evenly.
-        const int64_t merge = parts > 1 ? kDenseMergeCost : 0;
-        ctas.clear();
-        int64_t longest = 0, total = 0;
-        for (const Piece& piece : plan)
-          for (int32_t b0 = 0; b0 < piece.tile->blocks; b0 += piece.run) {
-            const int64_t cost = kDenseCtaCost + run_cost(*piece.tile, b0, b0 + piece.run);
-            ctas.emplace_back(cost, num_heads);
-            longest = std::max(longest, cost);
-            total += cost * num_heads;
-          }
-        if (std::max(longest, (total + slots - 1) / slots) + merge >= best_time) continue;
-        const int64_t time = makespan_within(ctas, slots, best_time - merge, loads) + merge;
-        if (time < best_time) {
-          best_time = time;
-          best = plan;
-          s.parts = parts;
-        }
+        const int32_t wanted = std::min(w.blocks, (w.cost + max_run_cost - 1) / max_run_cost);
+        run[i] = (w.blocks + wanted - 1) / wanted;
+        parts = std::max(parts, runs_of(i, run[i]));
       }
+      if (run == previous) continue;
+      previous = run;
+      if (parts == 1 || parts * slot_bytes > max_partial_bytes) continue;
+      // Its least possible time first: the costliest CTA, or all of them spread evenly.
+      ctas.clear();
+      int64_t longest = 0, total = 0;
+      for (size_t i = 0; i < whole.size(); ++i)
+        for (int32_t b0 = 0; b0 < whole[i].blocks; b0 += run[i]) {
+          const int64_t cost = kDenseCtaCost + run_cost(whole[i], b0, b0 + run[i]);
+          ctas.emplace_back(cost, num_heads);
+          longest = std::max(longest, cost);
+          total += cost * num_heads;
+        }
+      if (std::max(longest, (total + slots - 1) / slots) + kDenseMergeCost >= best_time) continue;
+      const int64_t time =
+          makespan_within(ctas, slots, best_time - kDenseMergeCost, loads) + kDenseMergeCost;
+      if (time < best_time) {
+        best_time = time;
+        best_run = run;
+        s.parts = parts;
+      }
+    }
   }
   if (s.parts > 1) {
-    // Each split piece's rows (q * H + h, contiguous) join the merge, in runs of rows with one
+    // Each split tile's rows (q * H + h, contiguous) join the merge, in runs of rows with one
     // part count; more segments than one merge launch takes: the whole tiles instead.
     int32_t merged = 0;
-    for (const Piece& piece : best) {
-      const int32_t runs = piece.runs();
+    for (size_t i = 0; i < whole.size(); ++i) {
+      const int32_t runs = runs_of(i, best_run[i]);
       if (runs == 1) continue;
-      const DenseTile& t = piece.tile->tile;
+      const DenseTile& t = whole[i].tile;
       const int64_t row_begin = int64_t(t.q_begin) * num_heads;
       MergeSegment* last = s.merge_segments.empty() ? nullptr : &s.merge_segments.back();
       if (last == nullptr || last->parts != runs ||
@@ -243,16 +194,15 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
       s.parts = 1;
       s.merge_segments.clear();
       s.merged_rows = 0;
-      best.clear();
-      for (const WholeTile& w : whole) best.push_back({&w, w.blocks});
+      for (size_t i = 0; i < whole.size(); ++i) best_run[i] = whole[i].blocks;
     }
   }
-  // The pieces' tiles with their units, costliest first (stable: ties in batch order).
+  // The tiles with their units, costliest first (stable: ties in batch order).
   std::vector<std::pair<int64_t, DenseTile>> costed;
-  costed.reserve(best.size() * size_t(s.parts));
-  for (const Piece& piece : best) {
-    const WholeTile& w = *piece.tile;
-    const int32_t runs = piece.runs();
+  costed.reserve(whole.size() * size_t(s.parts));
+  for (size_t i = 0; i < whole.size(); ++i) {
+    const WholeTile& w = whole[i];
+    const int32_t run = best_run[i], runs = runs_of(i, run);
     if (runs == 1) {
       costed.emplace_back(w.cost, w.tile);
       if (s.parts > 1) costed.back().second.part = kDenseWholeTile;
@@ -260,8 +210,8 @@ DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, in
     }
     for (int32_t part = 0; part < runs; ++part) {
       DenseTile x = w.tile;
-      x.block_begin = part * piece.run;
-      x.block_end = std::min(w.blocks, x.block_begin + piece.run);
+      x.block_begin = part * run;
+      x.block_end = std::min(w.blocks, x.block_begin + run);
       x.part = part;
       costed.emplace_back(run_cost(w, x.block_begin, x.block_end), x);
     }

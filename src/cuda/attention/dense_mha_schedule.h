@@ -36,10 +36,9 @@ inline constexpr int32_t kDenseCostRows = 64;
 inline constexpr int kDenseMaxCostGroups = 2;  // row groups per tile: block_m <= 128
 inline constexpr int64_t kDenseCtaCost = 2;
 inline constexpr int64_t kDenseMergeCost = 4;
-// Splits are considered only on grids of fewer whole-tile CTAs than this many waves; runs only
-// with a tile over >= kDenseMinSplitRows kv rows (shorter ones measured slower split,
-// docs/perf.md), the costliest tile into k runs for each k of kDenseSplitCandidates (at most
-// kDenseMaxSplit).
+// Splits are considered only on grids of fewer whole-tile CTAs than this many waves, with a
+// tile over >= kDenseMinSplitRows kv rows (shorter ones measured slower split, docs/perf.md),
+// the costliest tile into k runs for each k of kDenseSplitCandidates (at most kDenseMaxSplit).
 inline constexpr int64_t kDenseSplitWaves = 2;
 inline constexpr int32_t kDenseMinSplitRows = 1024;
 inline constexpr int32_t kDenseSplitCandidates[] = {2, 3, 4, 6, 8, 12, 16};
@@ -57,17 +56,15 @@ int64_t dense_makespan(std::vector<std::pair<int64_t, int64_t>> cost_count, int6
 
 // Tiles of `shape` for requests cu_q / cu_kv (host prefix sums [num_requests + 1]) and
 // `num_heads` heads on a device with `sm_count` SMs. Without a split every tile covers all of its
-// rows' kv blocks. On grids of few waves (DenseSchedule::few_waves) a long tile would set the
-// kernel's time while other SMs idle: candidates cut every tile costing more than max_cost / k
-// (k in kDenseSplitCandidates, max_cost the costliest tile's units) into runs of equal block
-// counts (a tile's last run may be shorter) or, where the kernel takes short tiles
-// (shape.short_tile_rows), first into two row halves (the first of short_tile_rows rows), each
-// then cut into runs if it still costs more; the others stay whole. The candidate of the least
-// estimated time (the cost model above; a merge only where a tile has runs) wins if it beats the
-// whole schedule, among those whose runs come from a tile over >= kDenseMinSplitRows kv rows
-// and whose partial slots (parts x T x H rows of partial_row_bytes) fit max_partial_bytes. More
-// than kMergeMaxSegments merge segments: no split. Invariant: every query row is in one whole
-// tile or row half, whose runs' block ranges are disjoint, non-empty and cover its blocks.
+// rows' kv blocks. On grids of few waves (DenseSchedule::few_waves) whose longest tile covers
+// >= kDenseMinSplitRows kv rows, a long tile would set the kernel's time while other SMs idle:
+// candidates cut every tile costing more than max_cost / k (k in kDenseSplitCandidates, max_cost
+// the costliest tile's units) into runs of equal block counts (a tile's last run may be
+// shorter), the others stay whole; the candidate of the least estimated time (the cost model
+// above) wins if it beats the whole schedule, among those whose partial slots (parts x T x H
+// rows of partial_row_bytes) fit max_partial_bytes. More than kMergeMaxSegments merge segments:
+// no split. Invariant: for every tile, its runs' block ranges are disjoint, non-empty and cover
+// [0, blocks).
 DenseSchedule build_dense_schedule(const int32_t* cu_q, const int32_t* cu_kv, int num_requests,
                                    int64_t num_heads, int sm_count, int64_t partial_row_bytes,
                                    int64_t max_partial_bytes,
@@ -106,11 +103,10 @@ inline int64_t dense_partials_budget_bytes(int64_t num_kv, int64_t num_heads, in
 // Upper bound of the device scratch one cuda_dense_mha call takes: the partials' budget and a
 // tile list too long for the launch parameters (one tile per query row at most without a split,
 // T <= num_kv; a split cuts whole tiles of fewer than kDenseSplitWaves x ctas_per_sm (<= 2) x
-// sm_count CTAs into at most kDenseMaxCostGroups row halves of at most kDenseMaxSplit runs each).
+// sm_count CTAs into at most kDenseMaxSplit runs each).
 inline int64_t dense_scratch_bytes(int64_t num_kv, int64_t num_heads, int d_nope, int d_v,
                                    int sm_count) {
-  const int64_t split_tiles =
-      kDenseMaxCostGroups * kDenseMaxSplit * kDenseSplitWaves * 2 * int64_t(sm_count);
+  const int64_t split_tiles = kDenseMaxSplit * kDenseSplitWaves * 2 * int64_t(sm_count);
   const int64_t max_tiles = num_kv > split_tiles ? num_kv : split_tiles;
   return dense_partials_budget_bytes(num_kv, num_heads, d_nope, d_v) +
          max_tiles * int64_t(sizeof(DenseTile));
