@@ -1028,6 +1028,10 @@ TEST_F(CudaDenseMha, MatchesReferenceForBothShapesWithPrefixes) {
   // Split-KV with whole tiles between the split ones (the wgmma kernel splits the two extends'
   // tiles only; the merge covers their rows in two segments).
   cases.push_back({128, 128, 16, {{1984, 64}, {0, 512}, {1900, 100}}});
+  // One long extend's tiles in runs: a whole 128-row tile (d_v 128: 119 rows, second group 55)
+  // and one over 80-row blocks (d_v 256: 113 rows), several runs each.
+  cases.push_back({128, 128, 16, {{2977, 119}}});
+  cases.push_back({192, 256, 16, {{2711, 113}}});
   constexpr int kDr = 64;
   for (const DenseCase& c : cases)
     for (const char* kernel : {"sm80", "sm90"}) {
@@ -1132,6 +1136,7 @@ TEST_F(CudaDenseMha, MaskMatchesReference) {
       {128, 128, 16, {{1990, 64}}, 96},  // split-KV over a long prefix
       {192, 256, 16, {{1000, 40}, {0, 3}}, 96},
       {128, 128, 16, {{100, 40}, {60, 4}}, 0},  // <= 64 rows over >= 2 blocks: split blocks
+      {192, 256, 16, {{100, 40}, {60, 4}}, 0},  // the same over 80-row blocks
       {192, 256, 4, {{300, 60}, {700, 33}}, 12},
   };
   constexpr int kDr = 64;
