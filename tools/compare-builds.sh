@@ -17,7 +17,10 @@
 # builds of the same code can time a shape several percent apart when run one after the other
 # (the GPU's state moves), so a change is read from the interleaved rounds. Last, a table per
 # (shape, stage): each variant's best median over the rounds, its ratio to the first variant's
-# (> 1: faster than the first), and the largest spread between a variant's rounds.
+# (> 1: faster than the first), marked + where every round of the variant beat every round of the
+# first and - where every round lost (from 2 rounds; no mark: the rounds overlap, so this call
+# cannot tell the two apart), and the largest spread between a variant's rounds. The table and
+# each row's rounds and marks also go to OUT/compare.json.
 #
 # Example (the dense kernel before and after a change, GLM-5 rows only, 3 rounds):
 #   tools/compare-builds.sh --rounds 3 before=.dev/before.patch after=. -- \
@@ -125,24 +128,29 @@ for n in names:
                 ms[key] = {}
                 order.append(key)
             ms[key].setdefault(n, []).append(row["ms"])
-head = f"{'shape':<44} {'stage':<18} " + " ".join(f"{n:>16}" for n in names) + "  spread"
+head = f"{'shape':<44} {'stage':<18} " + " ".join(f"{n:>17}" for n in names) + "  spread"
 print(head)
 summary = []
 for key in order:
     runs = ms[key]
     if names[0] not in runs:
         continue
-    base = min(runs[names[0]])
-    cells, spread = [], 0.0
+    base, base_worst = min(runs[names[0]]), max(runs[names[0]])
+    cells, spread, marks = [], 0.0, {}
     for n in names:
         if n not in runs:
-            cells.append(f"{'-':>16}")
+            cells.append(f"{'-':>17}")
             continue
-        best = min(runs[n])
-        spread = max(spread, max(runs[n]) / best - 1)
-        cells.append(f"{best:9.3f} {base / best:5.3f}x")
+        best, worst = min(runs[n]), max(runs[n])
+        spread = max(spread, worst / best - 1)
+        # Separable only if the rounds' ranges do not overlap (and there are rounds to compare).
+        mark = ""
+        if n != names[0] and len(runs[n]) > 1 and len(runs[names[0]]) > 1:
+            mark = "+" if worst < base else "-" if best > base_worst else ""
+        marks[n] = mark
+        cells.append(f"{best:9.3f} {base / best:5.3f}x{mark or ' '}")
     print(f"{key[0]:<44} {key[1]:<18} " + " ".join(cells) + f"  {100 * spread:5.1f}%")
-    summary.append({"shape": key[0], "stage": key[1], "ms": runs})
+    summary.append({"shape": key[0], "stage": key[1], "ms": runs, "marks": marks})
 json.dump({"variants": names, "rounds": rounds, "rows": summary},
           open(f"{out}/compare.json", "w"), indent=1)
 PY
