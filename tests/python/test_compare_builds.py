@@ -7,7 +7,6 @@ import re
 import stat
 import subprocess
 
-import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
