@@ -862,10 +862,12 @@ int main(int argc, char** argv) {
             rows.insert(rows.end(), r.begin(), r.end());
           }
         }
-      for (int64_t t : {256, 2048}) {
-        auto r = bench_sparse(be, ds.with_tp(8), t, KvLayout::kFp8Scaled);
-        rows.insert(rows.end(), r.begin(), r.end());
-      }
+      // Short prompts at 16 heads (every row within k), on the default pool and a bf16 one.
+      for (KvLayout layout : {KvLayout::kFp8Scaled, KvLayout::kBf16})
+        for (int64_t t : {256, 2048}) {
+          auto r = bench_sparse(be, ds.with_tp(8), t, layout);
+          rows.insert(rows.end(), r.begin(), r.end());
+        }
     }
     for (int tp : !stages ? std::vector<int>{} : std::vector<int>{1, 8})
       for (int64_t t : quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384}) {

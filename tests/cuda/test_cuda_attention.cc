@@ -268,6 +268,7 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       {KvLayout::kBf16, 300, 64, 200, true},
       {KvLayout::kBf16, 150, 128, 130, true},
       {KvLayout::kFp8Raw, 300, 16, 130, true},
+      {KvLayout::kBf16, 301, 16, 130, true},
       {KvLayout::kFp8Scaled, 200, 128, 64, true, ScalePolicy::kPow2},
       // FP8 pools at 65-128 heads (656-byte: the paired wgmma kernel, two CTAs of a cluster
       // widening half of every block each; fp8-raw unpaired): many CTAs, a partly empty second
@@ -333,30 +334,33 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
     }
 }
 
-// The FP8 keys-on-M kernel (few_heads_fp8_kernel.cuh) alone on both FP8 layouts, small enough
-// for racecheck: a CTA's two work items (adjacent tokens' 16-head groups, or one token's two
-// groups at 20 and 32 heads, forced) with equal block counts, unequal ones (topk_length drawn
-// from [0, k + 3]) and none (token 1 reads nothing), and odd item counts (the last CTA's second
-// consumer group idle), at 16 heads, 7, 20 and 32.
-TEST_F(CudaSparseMla, Fp8KeysOnMKernelMatchesReference) {
+// The keys-on-M kernels (few_heads_kernel.cuh, few_heads_fp8_kernel.cuh) alone on every layout,
+// small enough for racecheck: a CTA's two work items (adjacent tokens' 16-head groups, or, on FP8
+// pools, one token's two groups at 20 and 32 heads, forced) with equal block counts, unequal ones
+// (topk_length drawn from [0, k + 3]) and none (token 1 reads nothing), and odd item counts (the
+// last CTA's second consumer group idle), at 16 heads, 7, 20 and 32 (the bf16 kernel takes
+// H <= 16 only).
+TEST_F(CudaSparseMla, KeysOnMKernelMatchesReference) {
   const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", "sm90");
   const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", "16");
   int ran = 0;
-  for (const KvLayout layout : {KvLayout::kFp8Raw, KvLayout::kFp8Scaled}) {
+  for (const KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Raw, KvLayout::kFp8Scaled}) {
     if (!cuda::attention::dispatch_sparse_mla_sm90_few_heads(layout, [](auto) {})) continue;
-    const ScalePolicy pow2 = ScalePolicy::kPow2;  // fp8-raw pools ignore it
+    const ScalePolicy pow2 = ScalePolicy::kPow2;  // fp8-raw and bf16 pools ignore it
     for (const SparseCase& c :
          {SparseCase{layout, 3, 16, 2048, true, pow2}, SparseCase{layout, 3, 7, 129, false, pow2},
           SparseCase{layout, 2, 32, 300, true, pow2}, SparseCase{layout, 9, 16, 600, true, pow2},
-          SparseCase{layout, 5, 20, 500, true, pow2}}) {
+          SparseCase{layout, 5, 20, 500, true, pow2}, SparseCase{layout, 4, 16, 300, true, pow2}}) {
+      if (!cuda::attention::sparse_mla_sm90_few_heads_take(layout, c.num_heads)) continue;
       const uint64_t seed = testing::fresh_seed();
-      SCOPED_TRACE(::testing::Message() << "seed " << seed << " layout " << to_string(layout)
-                                        << " H " << c.num_heads << " k " << c.topk);
+      SCOPED_TRACE(::testing::Message()
+                   << "seed " << seed << " layout " << to_string(layout) << " T " << c.num_tokens
+                   << " H " << c.num_heads << " k " << c.topk);
       expect_matches_reference(c, run(c, seed));
       ++ran;
     }
   }
-  if (ran == 0) GTEST_SKIP() << "no keys-on-M instance for FP8 pools";
+  if (ran == 0) GTEST_SKIP() << "no keys-on-M instance";
 }
 
 // Every e4m3 code at every column reads as its exact value: pool bytes written directly (each

@@ -3,9 +3,8 @@
 // Oᵀ in the m64n16 accumulator layout (thread g = lane / 4, q = lane % 4 of warp w):
 //   s[4j + 2r + c]      = Sᵀ[row 16w + g + 8r][head 8j + 2q + c]      j, r, c in {0, 1}
 //   o[mt][4j + 2r + c]  = Oᵀ[a row of tile mt][head 8j + 2q + c]     mt < 8
-// so a thread holds 4 heads, hi = 2j + c. The bf16 kernel's two consumer groups take alternate
-// blocks of one token and meet in the epilogue (merge_and_stage); the FP8 kernel's each take a
-// work item of their own and finish alone (finish_alone).
+// so a thread holds 4 heads, hi = 2j + c. Each consumer group takes a work item of its own and
+// finishes alone (finish_alone).
 #pragma once
 
 #include "src/cuda/sm90/prefill/sparse_mla/sparse_mla_kernel.cuh"
@@ -91,36 +90,12 @@ struct FewHeadsSoftmax {
     }
   }
 
-  // merge_groups, then WG1's O scaled by its factors into staged (f32 [64 values][128 threads])
-  // for WG0 to add once both groups pass barrier `sync_staged` (256 threads); WG1 is done then.
-  // maxima: per head hi, the larger of the two groups' exact maxima.
-  __device__ __forceinline__ void merge_and_stage(const float (&o)[8][8], float* warp_heads,
-                                                  float* merge, float* staged, int wg, int wtid,
-                                                  int sync_heads, int sync_merge, int sync_staged,
-                                                  float value_scale, float (&total)[4],
-                                                  float (&factor)[4], float (&offset)[4],
-                                                  float (&maxima)[4]) const {
-    const int warp = wtid / 32, g = wtid % 32 / 4, q = wtid % 4;
-    merge_groups(warp_heads, merge, wg, warp, g, q, sync_heads, sync_merge, value_scale, total,
-                 factor, offset);
-    if (wg == 1)
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-        for (int i = 0; i < 8; ++i)  // accumulator i = 4 j + 2 r + c holds head hi = 2 j + c
-          staged[(mt * 8 + i) * 128 + wtid] = o[mt][i] * factor[2 * (i / 4) + i % 2];
-    sm90::named_barrier_sync(sync_staged, 256);
-#pragma unroll
-    for (int hi = 0; hi < 4; ++hi) {
-      const int head = head_of(hi, q);
-      maxima[hi] = fmaxf(merge[2 * kHeads + head], merge[5 * kHeads + head]);
-    }
-  }
-
-  // A group that takes every block of its work item (no group to merge with): its per-head sums
-  // over its 128 threads (warp_heads, barrier `sync_heads`; the group's last barrier before it
-  // ordered every read of the maxima there). Per head hi: total, offset and factor as
-  // merge_groups gives them, maxima = the group's exact max (m_true, uniform over the group).
+  // A group that takes every block of its work item: its per-head sums over its 128 threads
+  // (warp_heads, barrier `sync_heads`; the group's last barrier before it ordered every read of
+  // the maxima there). Per head hi: total = the sum, offset = m, factor = what O is scaled by
+  // (value_scale / total; 0 where no slot was valid: total == 0 exactly then, the max slot
+  // contributing 1; NaN propagates), maxima = the group's exact max (m_true, uniform over the
+  // group).
   __device__ __forceinline__ void finish_alone(float* warp_heads, int warp, int g, int q,
                                                int sync_heads, float value_scale, float (&total)[4],
                                                float (&factor)[4], float (&offset)[4],
@@ -158,44 +133,11 @@ struct FewHeadsSoftmax {
     for (int w = 0; w < 4; ++w) x += warp_heads[w * kHeads + head];
     return x;
   }
-
-  // merge_and_stage's first part: the group's per-head sums over its 128 threads (warp_heads,
-  // barrier `sync_heads`; the group's last barrier before it ordered every read of the maxima
-  // there), both groups' (m, l, max) through merge (f32 [2 groups][m, l, max][16], barrier
-  // `sync_merge` of both groups' 256 threads). Per head hi: total = the merged sum, offset = the
-  // merged offset, factor = what this group's O is scaled by (value_scale / total at its share; 0
-  // where no slot was valid: total == 0 exactly then, the max slot contributing 1; NaN propagates).
-  __device__ __forceinline__ void merge_groups(float* warp_heads, float* merge, int wg, int warp,
-                                               int g, int q, int sync_heads, int sync_merge,
-                                               float value_scale, float (&total)[4],
-                                               float (&factor)[4], float (&offset)[4]) const {
-    sum_heads(warp_heads, warp, g, q, sync_heads);
-    if (warp == 0 && g == 0)
-#pragma unroll
-      for (int hi = 0; hi < 4; ++hi) {
-        const int head = head_of(hi, q);
-        const float x = group_sum(warp_heads, head);
-        merge[(wg * 3 + 0) * kHeads + head] = m[hi];
-        merge[(wg * 3 + 1) * kHeads + head] = x;
-        merge[(wg * 3 + 2) * kHeads + head] = m_true[hi];
-      }
-    sm90::named_barrier_sync(sync_merge, 256);
-#pragma unroll
-    for (int hi = 0; hi < 4; ++hi) {
-      const int head = head_of(hi, q);
-      const float m0 = merge[0 * kHeads + head], m1 = merge[3 * kHeads + head];
-      offset[hi] = fmaxf(m0, m1);
-      const float f0 = exp2_approx(m0 - offset[hi]), f1 = exp2_approx(m1 - offset[hi]);
-      total[hi] = merge[1 * kHeads + head] * f0 + merge[4 * kHeads + head] * f1;
-      factor[hi] = total[hi] == 0.f ? 0.f : (wg == 0 ? f0 : f1) * value_scale / total[hi];
-    }
-  }
 };
 
 // A group's output: for each head hi of this thread below H, store(hi, th) writes its o_lat row
 // th = t · H + head; warp 0's lanes 0-3 (g = 0) also write lse (natural log; +inf where no slot
-// was valid) and max_logits (if asked), from total / offset / maxima (merge_and_stage's or
-// finish_alone's).
+// was valid) and max_logits (if asked), from total / offset / maxima (finish_alone's).
 template <typename Store>
 __device__ __forceinline__ void write_heads(const SparseMlaParams& p, const CtaWork& work, int warp,
                                             int g, int q, const float (&total)[4],
