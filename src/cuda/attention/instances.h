@@ -25,9 +25,9 @@
   X(kFp8Scaled)                             \
   X(kFp8Raw)
 
-// Sparse MLA, wgmma kernel with keys on M, 16 heads a CTA (few_heads_kernel.cuh): X(layout). On
-// FP8 pools the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh), by default
-// up to 32 heads (sparse_mla_sm90_few_heads_by_default), at any H when forced
+// Sparse MLA, wgmma kernel with keys on M, two work items of 16 heads a CTA (few_heads_kernel.cuh):
+// X(layout). On FP8 pools the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh),
+// by default up to 32 heads (sparse_mla_sm90_few_heads_by_default), at any H when forced
 // (DSAKIT_SPARSE_MLA_SM90_HEADS=16).
 #define DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(X) \
   X(kBf16)                                            \
