@@ -1,8 +1,8 @@
 // Sparse MLA on Hopper for few heads (H <= 16: DeepSeek-V3.2's TP8 shard), keys on the wgmma M
 // dimension, on bf16 pools (FP8 pools: few_heads_fp8_kernel.cuh, the codes widened in the
 // consumers' registers; run_sparse_mla_sm90_few_heads routes them). Same contract and numerics as
-// sparse_mla_kernel.cuh (the 64-head kernel), whose CTA order, tile layout and row copies
-// (load_half_bf16) it shares.
+// sparse_mla_kernel.cuh (the 64-head kernel), whose token order (last to first), tile layout and
+// row copies (load_half_bf16) it shares.
 //
 // With heads on M, 16 heads fill a quarter of each 64-row tile and cost what 64 do. Here the
 // products are taken transposed, 64 keys (a block) on M and the CTA's 16 heads on N:
@@ -80,12 +80,12 @@ struct FewHeadsConfig {
 template <int kFirst, int kCount, sm90::Ab kAb>
 __device__ __forceinline__ void issue_kq_tiles(float (&s)[8], uint32_t stage, uint32_t q,
                                                bool accumulate) {
-  constexpr int kQTileBytes = FewHeadsSoftmax::kHeads * 128;
+  using F = FewHeadsConfig;
   const uint64_t dk = sm90::smem_desc_sw128(stage, 16, 1024);
   const uint64_t dq = sm90::smem_desc_sw128(q, 16, 1024);
   for_each_k16_step<kFirst, kCount>(accumulate, [&](int tile, int ks, bool acc) {
     sm90::wgmma_m64n16k16_ss<0, 0, kAb>(s, dk + k16_offset(tile - kFirst, ks),
-                                        dq + k16_offset<kQTileBytes>(tile, ks), acc);
+                                        dq + k16_offset<F::kQTileBytes>(tile, ks), acc);
   });
 }
 
