@@ -557,7 +557,10 @@ TEST(KvPool, TinyAndHugeValues) {
       Tokens tok = random_tokens(rng, 4, KvLayout::kFp8Scaled);
       const float magnitude[4] = {1e-30f, 1e30f, 1e37f, 1e-38f};
       for (int64_t i = 0; i < 4; ++i)
-        for (int j = 0; j < kDc; ++j) tok.set_c(i, j, rng.normal() * magnitude[i]);
+        for (int j = 0; j < kDc; ++j) {  // |x| in [magnitude / 2, 2 magnitude]: never 0
+          const float sign = rng.randint(0, 1) ? -1.0f : 1.0f;
+          tok.set_c(i, j, sign * rng.uniform(0.5f, 2.0f) * magnitude[i]);
+        }
       const std::vector<int32_t> locs = {5, 2, 7, 0};
       f.store(locs, tok);
       const Tensor bytes = f.bytes();
@@ -572,7 +575,7 @@ TEST(KvPool, TinyAndHugeValues) {
           expect_format_error(f.desc(), tok, i, c, r, i);
         if (lc.layout == KvLayout::kFp8Raw && magnitude[i] > 1) {
           for (int j = 0; j < kDc; ++j)
-            ASSERT_EQ(std::fabs(c.ptr<float>()[i * kDc + j]), 448.0f * lc.k_scale);
+            ASSERT_EQ(std::fabs(c.ptr<float>()[i * kDc + j]), 448.0f * lc.k_scale) << j;
         }
       }
     }
