@@ -137,6 +137,12 @@ struct PairWork {
   CtaWork item[2];
   bool has_second;
   PairOrder order;
+  // Consumer group g's item and its block count (g is 0 or 1, known at run time: selects, so
+  // the arrays are not indexed and stay in registers).
+  __device__ __forceinline__ const CtaWork& item_of(int g) const {
+    return g == 0 ? item[0] : item[1];
+  }
+  __device__ __forceinline__ int blocks_of(int g) const { return g == 0 ? order.n[0] : order.n[1]; }
 };
 __device__ __forceinline__ PairWork pair_work(const SparseMlaParams& p) {
   constexpr int kHeads = FewHeadsSoftmax::kHeads;
@@ -330,8 +336,8 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   if (wg == 1 && !pair.has_second) return;
 
   // ---- consumers: group wg takes every block of item wg ---------------------------------------
-  const CtaWork work = wg == 0 ? pair.item[0] : pair.item[1];
-  const int my_blocks = wg == 0 ? pair.order.n[0] : pair.order.n[1];
+  const CtaWork work = pair.item_of(wg);
+  const int my_blocks = pair.blocks_of(wg);
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
   const uint32_t q_tiles = base + F::kQ + wg * F::kQBytes;
   const uint32_t pt_tiles = base + F::kPt + wg * F::kPtTiles * F::kTileBytes;

@@ -187,8 +187,8 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   if (wg == 1 && !pair.has_second) return;
 
   // ---- consumers: group wg takes every block of item wg ---------------------------------------
-  const CtaWork work = wg == 0 ? pair.item[0] : pair.item[1];
-  const int my_blocks = wg == 0 ? pair.order.n[0] : pair.order.n[1];
+  const CtaWork work = pair.item_of(wg);
+  const int my_blocks = pair.blocks_of(wg);
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
   const uint32_t q_tiles = base + F::kQ + wg * F::kQBytes;
   const uint32_t pt_tile = base + F::kPt + wg * F::kQTileBytes;
