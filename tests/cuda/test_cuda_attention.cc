@@ -77,6 +77,9 @@ struct SparseCase {
   // scale, few_heads_fp8_kernel.cuh). sm_scale is divided by the largest gain, so the logits stay
   // within a few units (fp32 logits of thousands would miss lse's absolute tolerance).
   double value_trend = 0;
+  // With use_topk_length: a token whose topk_length is 0, so its work item has no block at all
+  // (the keys-on-M kernels pair it in one CTA with a token that has blocks). -1: none.
+  int no_block_token = -1;
 };
 
 struct SparseResult {
@@ -149,6 +152,7 @@ class CudaSparseMla : public CudaAttention {
     }
     if (t_n > 1)
       for (int j = 0; j < k; ++j) idx[size_t(k) + j] = (j % 2) ? -1 : n;  // no valid slot
+    if (c.no_block_token >= 0) len[size_t(c.no_block_token)] = 0;
 
     Tensor q_abs = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDc}, c.q_stddev);
     Tensor q_pe = testing::random_tensor(rng, DType::kBF16, {t_n, h, kDr}, c.q_stddev);
@@ -219,15 +223,19 @@ void expect_matches_reference(const SparseCase& c, const SparseResult& r) {
   EXPECT_LE(testing::rel_l2(r.o_lat, r.ref.o), tol) << "o_lat rel-L2";
   EXPECT_LE(testing::max_abs_diff(r.lse, r.ref.lse), testing::kTolLse) << "lse";
   EXPECT_LE(testing::max_abs_diff(r.max_logits, r.ref.max_logit), testing::kTolLse) << "max_logits";
-  if (c.num_tokens > 1) {
+  // A token with nothing to attend to (token 1: no valid slot; no_block_token: topk_length 0):
+  // o_lat exactly 0, lse +inf, max_logits -inf.
+  const auto expect_empty = [&](size_t t) {
     const size_t h = size_t(c.num_heads);
-    for (size_t i = h * 512; i < 2 * h * 512; ++i)
-      ASSERT_EQ(r.o_lat[i], 0.0) << "o_lat[" << i << "]";
-    for (size_t i = h; i < 2 * h; ++i) {
-      ASSERT_EQ(r.lse[i], std::numeric_limits<double>::infinity());
-      ASSERT_EQ(r.max_logits[i], -std::numeric_limits<double>::infinity());
+    for (size_t i = t * h * 512; i < (t + 1) * h * 512; ++i)
+      ASSERT_EQ(r.o_lat[i], 0.0) << "token " << t << " o_lat[" << i << "]";
+    for (size_t i = t * h; i < (t + 1) * h; ++i) {
+      ASSERT_EQ(r.lse[i], std::numeric_limits<double>::infinity()) << "token " << t;
+      ASSERT_EQ(r.max_logits[i], -std::numeric_limits<double>::infinity()) << "token " << t;
     }
-  }
+  };
+  if (c.num_tokens > 1) expect_empty(1);
+  if (c.no_block_token >= 0) expect_empty(size_t(c.no_block_token));
 }
 
 // Each case runs on every compiled kernel with an instance for its layout (the mma.sync kernel
@@ -350,7 +358,11 @@ TEST_F(CudaSparseMla, KeysOnMKernelMatchesReference) {
     for (const SparseCase& c :
          {SparseCase{layout, 3, 16, 2048, true, pow2}, SparseCase{layout, 3, 7, 129, false, pow2},
           SparseCase{layout, 2, 32, 300, true, pow2}, SparseCase{layout, 9, 16, 600, true, pow2},
-          SparseCase{layout, 5, 20, 500, true, pow2}, SparseCase{layout, 4, 16, 300, true, pow2}}) {
+          SparseCase{layout, 5, 20, 500, true, pow2}, SparseCase{layout, 4, 16, 300, true, pow2},
+          // One item of a CTA's pair with no block: the first (token 2 of 2 and 3), the second
+          // (token 5 of 4 and 5).
+          SparseCase{layout, 4, 16, 300, true, pow2, 1.f, 0, 0, 2},
+          SparseCase{layout, 6, 16, 200, true, pow2, 1.f, 0, 0, 5}}) {
       if (!cuda::attention::sparse_mla_sm90_few_heads_take(layout, c.num_heads)) continue;
       const uint64_t seed = testing::fresh_seed();
       SCOPED_TRACE(::testing::Message()
