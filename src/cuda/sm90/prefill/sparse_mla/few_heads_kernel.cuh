@@ -142,7 +142,7 @@ __device__ __forceinline__ void produce_bf16_parts(const SparseMlaParams& p, uin
   const auto rows_at = [&](int i) {
     int item, b;
     order.at(i, item, b);
-    const CtaWork& w = item == 0 ? items[0] : items[1];
+    const CtaWork& w = work.item_of(item);
     return block_rows(w.slots, b, w.num_slots, group);
   };
   BlockRows next = rows_at(0);
