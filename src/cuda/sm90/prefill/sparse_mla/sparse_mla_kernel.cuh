@@ -146,9 +146,35 @@ __device__ __forceinline__ BlockRows block_rows(const int32_t* slots, int block,
   return r;
 }
 
+__device__ __forceinline__ int32_t valid_location(const SparseMlaParams& p, int32_t loc) {
+  return loc < p.num_locations ? loc : -1;
+}
+
 __device__ __forceinline__ void validate_rows(const SparseMlaParams& p, BlockRows& r) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) r.loc[i] = r.loc[i] < p.num_locations ? r.loc[i] : -1;
+  for (int i = 0; i < 4; ++i) r.loc[i] = valid_location(p, r.loc[i]);
+}
+
+// The other way to hold them, one location per lane (the 64-head kernel's fp8 producers without a
+// cluster pair, kLaneRows): the eight lanes of a group (group = 4 w + lane / 8 in warp w) hold
+// its eight rows of iteration it, lane 4 b + i of the group row group + 16 i of block 2 it + b
+// (-1 past num_slots). A thread's location of either block is one shuffle within its group, from
+// a lane known at compile time (iteration_row).
+__device__ __forceinline__ int32_t iteration_slot(int it, int lane, int warp) {
+  const int b = (lane / 4) % 2, i = lane % 4;
+  return (2 * it + b) * Sm90Config::kBlock + 4 * warp + lane / 8 + 16 * i;
+}
+
+__device__ __forceinline__ int32_t load_iteration_rows(const int32_t* slots, int it, int num_slots,
+                                                       int lane, int warp) {
+  const int slot = iteration_slot(it, lane, warp);
+  return slot < num_slots ? __ldg(slots + slot) : -1;
+}
+
+// Row group + 16 i of buffer `buffer`'s block from the warp's `held` locations (every lane of
+// the warp calls it with the same buffer and i).
+__device__ __forceinline__ int32_t iteration_row(int32_t held, int buffer, int i) {
+  return __shfl_sync(0xffffffffu, held, 4 * buffer + i, 8);
 }
 
 // Pool row `loc` (validated), or row 0 for an invalid one (< 0): a mapped address that the
@@ -532,6 +558,12 @@ __device__ __forceinline__ CtaWork cta_work(const SparseMlaParams& p, int heads_
   return cta_work(p, heads_per_cta, blockIdx.x);
 }
 
+// How the 64-head kernel's producer holds its rows' locations: one per lane (iteration_slot)
+// for the fp8 pools without a cluster pair, as BlockRows otherwise; each measured faster there
+// than the other (docs/perf.md).
+template <KvLayout kLayout, bool kPair>
+inline constexpr bool kLaneRows = (kLayout != KvLayout::kBf16) && !kPair;
+
 // The producer warpgroup of a CTA (thread wtid of 128), for a token with a slot to read: Q of
 // heads [head0, head0 + 64) into the
 // Q tiles (zero rows past H; f16 operands: scaled into f16's range, load_q_f16), then blocks 2i
@@ -572,10 +604,15 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
     sm90::cp_async_mbarrier_arrive(bar_q);
   }
 
-  // rows[b]: the rows of buffer b's block of this iteration, loaded at least a step before
-  // the wait for the first half they fill. fp8 pools also hold row i of the next step in
-  // registers (staged[i]), loaded as soon as row i of this step is stored, so each load has a
-  // whole step (and the wait for the next buffer) to land.
+  // The locations of this iteration's blocks, validated by their first use:
+  // - as BlockRows: rows[b], buffer b's block, loaded at least a step before the wait for the
+  //   first half they fill (the next iteration's buffer 0 before step K1.L, buffer 1 after it);
+  // - kLaneRows: held, one per lane (load_iteration_rows), validated; next_held, the next
+  //   iteration's, loaded at the end of the previous iteration and validated before step K1.L
+  //   (whose fp8 loads are the next K0.L's rows), three steps later.
+  // fp8 pools also hold row i of the next step in registers (staged[i]), loaded as soon as row i
+  // of this step is stored, so each load has a whole step (and the wait for the next buffer) to
+  // land.
   // This producer widens rows group + 16 (row0 + k) of each block, k < kOwnRows.
   constexpr int kOwnRows = kPair ? 2 : 4;
   const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0;
@@ -584,40 +621,62 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   const auto own_loc = [&](const BlockRows& r, int k) {
     return rank != 0 ? r.loc[2 + k] : r.loc[k];
   };
+  constexpr bool kLane = kLaneRows<kLayout, kPair>;
+  const int warp = wtid / 32, lane = wtid % 32;
   // The peer's shared::cluster address of this CTA's shared-memory address `addr`.
   const uint32_t peer_delta = kPair ? sm.peer_delta() : 0;
   const auto peer = [&](uint32_t addr) { return addr + peer_delta; };
 
   BlockRows rows[2];
+  int32_t held, next_held;
   Fp8Row staged[kOwnRows];
   const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
-  rows[0] = block_rows(slots, 0, num_slots, group);
-  rows[1] = block_rows(slots, 1, num_slots, group);
+  if constexpr (kLane) {
+    held = valid_location(p, load_iteration_rows(slots, 0, num_slots, lane, warp));
+    next_held = num_iters > 1 ? load_iteration_rows(slots, 1, num_slots, lane, warp) : -1;
+  } else {
+    rows[0] = block_rows(slots, 0, num_slots, group);
+    rows[1] = block_rows(slots, 1, num_slots, group);
+    if constexpr (kLayout != KvLayout::kBf16) validate_rows(p, rows[0]);
+  }
+  // Row row0 + k of the producer's share of buffer b's block, this iteration's or (kNext) the
+  // next one's; the BlockRows' rows[0] holds the next iteration's from before step K1.L.
+  const auto own_row = [&](auto next_c, int b, int k) {
+    if constexpr (kLane)
+      return iteration_row(decltype(next_c)::value ? next_held : held, b, k);
+    else
+      return own_loc(rows[b], k);
+  };
+  using Now = std::false_type;
   if constexpr (kLayout != KvLayout::kBf16) {
-    validate_rows(p, rows[0]);
 #pragma unroll
     for (int k = 0; k < kOwnRows; ++k)
-      load_row_fp8<kLayout, 0>(p, own_loc(rows[0], k), lane8, staged[k]);
+      load_row_fp8<kLayout, 0>(p, own_row(Now{}, 0, k), lane8, staged[k]);
   }
 
   // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
   // an iteration), each on its buffer's empty barrier of the iteration's parity. A buffer's
   // valid flags are written at steps 0 and 1: they are read only by the buffer's own group,
   // which has masked the previous iteration once it released its first half of the buffer.
-  const auto store_flags = [&](int buffer, const BlockRows& rows) {
-    if (lane8 == 0)
+  // (kLaneRows: each lane writes the flag of the row it holds.)
+  const auto store_flags = [&](int buffer) {
+    if constexpr (kLane) {
+      if ((lane / 4) % 2 == buffer) valid[iteration_slot(0, lane, warp)] = held >= 0;
+    } else if (lane8 == 0) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows.ok(i);
+      for (int i = 0; i < 4; ++i) valid[buffer * C::kBlock + group + 16 * i] = rows[buffer].ok(i);
+    }
   };
   const auto step = [&](auto buffer_c, auto half_c, int it, bool has_next) {
     constexpr int kBuffer = decltype(buffer_c)::value, kHalf = decltype(half_c)::value;
     const uint32_t full = bar_full(kBuffer, kHalf);
     const uint32_t tiles = kBuffer == 0 ? k0_tiles : k1_tiles;
     sm90::mbarrier_wait(bar_empty(kBuffer, kHalf), (it & 1) ^ 1);
-    // A block's rows are validated at their first use: bf16, the step that copies the block's
-    // first half; fp8, the step that loads them for the next one.
+    // BlockRows are validated at their first use: bf16, the step that copies the block's first
+    // half; fp8, the step that loads them for the next one.
     if constexpr (kLayout == KvLayout::kBf16 && kBuffer == kHalf) validate_rows(p, rows[kBuffer]);
-    if constexpr (kLayout != KvLayout::kBf16 && kHalf == 0) validate_rows(p, rows[1 - kBuffer]);
+    if constexpr (kLayout != KvLayout::kBf16 && !kLane && kHalf == 0)
+      validate_rows(p, rows[1 - kBuffer]);
     if constexpr (kLayout == KvLayout::kBf16) {
       load_half_bf16(p, rows[kBuffer], tiles, kHalf == 0 ? 0 : C::kHalfTiles,
                      kHalf == 0 ? C::kHalfTiles : C::kTiles, group, lane8);
@@ -626,12 +685,13 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
       // The next step: (1, R) after (0, L); (0, R) after (1, R); (1, L) after (0, R); the
       // next iteration's (0, L) after (1, L).
       constexpr int kNextBuffer = 1 - kBuffer, kNextHalf = kBuffer == 0 ? 1 - kHalf : kHalf;
+      using Next = std::bool_constant<kBuffer == 1 && kHalf == 0>;  // the next iteration's rows
 #pragma unroll
       for (int k = 0; k < kOwnRows; ++k) {
-        store_row_fp8<kLayout, kHalf, kPair>(p, own_loc(rows[kBuffer], k), staged[k], tiles,
+        store_row_fp8<kLayout, kHalf, kPair>(p, own_row(Now{}, kBuffer, k), staged[k], tiles,
                                              row0 + k, offsets, lane8);
         if (has_next)
-          load_row_fp8<kLayout, kNextHalf>(p, own_loc(rows[kNextBuffer], k), lane8, staged[k]);
+          load_row_fp8<kLayout, kNextHalf>(p, own_row(Next{}, kNextBuffer, k), lane8, staged[k]);
       }
       if constexpr (kPair && kLayout == KvLayout::kFp8Scaled && kHalf == 1)
 #pragma unroll
@@ -661,7 +721,7 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
       if constexpr (kLayout == KvLayout::kFp8Scaled && kHalf == 1)
         sm90::cp_async_mbarrier_arrive(full);
     }
-    if constexpr (kBuffer == kHalf) store_flags(kBuffer, rows[kBuffer]);  // steps 0 and 1
+    if constexpr (kBuffer == kHalf) store_flags(kBuffer);  // steps 0 and 1
     if constexpr (kBuffer == 1 && kHalf == 1) sm90::mbarrier_arrive(bar_valid);
   };
   using Zero = std::integral_constant<int, 0>;
@@ -672,10 +732,18 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
     step(Zero{}, Zero{}, it, true);  // K0.L; fp8: loads K1.R
     step(One{}, One{}, it, true);    // K1.R; fp8: loads K0.R
     step(Zero{}, One{}, it, true);   // K0.R; fp8: loads K1.L
-    // Buffer 0's block of the next iteration (fp8: for the loads issued during K1.L).
-    if (more) rows[0] = block_rows(slots, 2 * it + 2, num_slots, group);
+    // The next iteration's rows (fp8: for the loads issued during K1.L).
+    if constexpr (kLane)
+      next_held = valid_location(p, next_held);
+    else if (more)
+      rows[0] = block_rows(slots, 2 * it + 2, num_slots, group);
     step(One{}, Zero{}, it, more);  // K1.L; fp8: loads the next K0.L
-    if (more) rows[1] = block_rows(slots, 2 * it + 3, num_slots, group);
+    if constexpr (kLane) {
+      held = next_held;
+      if (it + 2 < num_iters) next_held = load_iteration_rows(slots, it + 2, num_slots, lane, warp);
+    } else if (more) {
+      rows[1] = block_rows(slots, 2 * it + 3, num_slots, group);
+    }
   }
   cp_async_wait<0>();
 }
@@ -700,7 +768,12 @@ __device__ __forceinline__ bool start_cta(const SparseMlaParams& p, char* smem, 
   wtid = threadIdx.x % 128;
   if (wg == 2) {
     sm90::setmaxnreg_dec<W::kProducerRegs>();
-    produce_blocks<kLayout, kPair>(p, smem, work, wtid);
+    // kLaneRows producers compute their work item here: held from before the split, its values
+    // are live into the producer's registers and spill there.
+    if constexpr (kLaneRows<kLayout, kPair>)
+      produce_blocks<kLayout, kPair>(p, smem, cta_work(p, Sm90Config::kHeads), wtid);
+    else
+      produce_blocks<kLayout, kPair>(p, smem, work, wtid);
     if constexpr (kPair) sm90::cluster_sync();
     return false;
   }
@@ -725,12 +798,14 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   float* row_max = reinterpret_cast<float*>(smem + C::kRowMax);               // [3][64]
   float* row_sum = reinterpret_cast<float*>(smem + C::kRowSum);               // [2][64]
 
-  const CtaWork work = cta_work(p, C::kHeads);
-  const int64_t t = work.t;
-  const int head0 = work.head0, num_iters = work.num_iters;
-
+  // The CTA's work item, computed after the warp-role split with kLaneRows (start_cta).
+  CtaWork work;
+  if constexpr (!kLaneRows<kLayout, kPair>) work = cta_work(p, C::kHeads);
   int wg, wtid;
   if (!start_cta<kLayout, kPair>(p, smem, sm, work, wg, wtid)) return;
+  if constexpr (kLaneRows<kLayout, kPair>) work = cta_work(p, C::kHeads);
+  const int64_t t = work.t;
+  const int head0 = work.head0, num_iters = work.num_iters;
 
   // ---- consumers ----------------------------------------------------------------------------
   // Paired: a half is released to both CTAs' producers.
