@@ -135,14 +135,17 @@ struct BlockRows {
   __device__ bool ok(int i) const { return loc[i] >= 0; }  // once validated
 };
 
+// Slot `slot`'s location as the indices hold it, -1 past num_slots.
+__device__ __forceinline__ int32_t slot_location(const int32_t* slots, int slot, int num_slots) {
+  return slot < num_slots ? __ldg(slots + slot) : -1;
+}
+
 __device__ __forceinline__ BlockRows block_rows(const int32_t* slots, int block, int num_slots,
                                                 int group) {
   BlockRows r;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int slot = block * Sm90Config::kBlock + group + 16 * i;
-    r.loc[i] = slot < num_slots ? __ldg(slots + slot) : -1;
-  }
+  for (int i = 0; i < 4; ++i)
+    r.loc[i] = slot_location(slots, block * Sm90Config::kBlock + group + 16 * i, num_slots);
   return r;
 }
 
@@ -167,8 +170,7 @@ __device__ __forceinline__ int32_t iteration_slot(int it, int lane, int warp) {
 
 __device__ __forceinline__ int32_t load_iteration_rows(const int32_t* slots, int it, int num_slots,
                                                        int lane, int warp) {
-  const int slot = iteration_slot(it, lane, warp);
-  return slot < num_slots ? __ldg(slots + slot) : -1;
+  return slot_location(slots, iteration_slot(it, lane, warp), num_slots);
 }
 
 // Row group + 16 i of buffer `buffer`'s block from the warp's `held` locations (every lane of
@@ -617,10 +619,6 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   constexpr int kOwnRows = kPair ? 2 : 4;
   const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0;
   const int row0 = 2 * int(rank);  // 0 unless kPair
-  // (rank selects between compile-time indices: a run-time index would put loc in local memory)
-  const auto own_loc = [&](const BlockRows& r, int k) {
-    return rank != 0 ? r.loc[2 + k] : r.loc[k];
-  };
   constexpr bool kLane = kLaneRows<kLayout, kPair>;
   const int warp = wtid / 32, lane = wtid % 32;
   // The peer's shared::cluster address of this CTA's shared-memory address `addr`.
@@ -641,11 +639,12 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   }
   // Row row0 + k of the producer's share of buffer b's block, this iteration's or (kNext) the
   // next one's; the BlockRows' rows[0] holds the next iteration's from before step K1.L.
+  // (rank selects between compile-time indices: a run-time index would put loc in local memory)
   const auto own_row = [&](auto next_c, int b, int k) {
     if constexpr (kLane)
       return iteration_row(decltype(next_c)::value ? next_held : held, b, k);
     else
-      return own_loc(rows[b], k);
+      return rank != 0 ? rows[b].loc[2 + k] : rows[b].loc[k];
   };
   using Now = std::false_type;
   if constexpr (kLayout != KvLayout::kBf16) {
