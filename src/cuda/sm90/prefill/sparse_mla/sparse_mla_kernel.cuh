@@ -84,14 +84,18 @@ struct Sm90Config {
   // producer warps' partial maxima of |Q| (u32 [4], bf16 magnitude bits).
   static constexpr int kQShift = kRowSum + 2 * 4 * kHeads;
   static constexpr int kQAmax = kQShift + 16;
-  static constexpr int kSmemBytes = kQAmax + 16;
+  // kLaneRows producers: the CTA's slot list (const int32_t*) and slot count (i32), where the
+  // loop reads them once an iteration (produce_blocks).
+  static constexpr int kSlotList = kQAmax + 16;
+  static constexpr int kSmemBytes = kSlotList + 16;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
   static_assert(kK0 % 1024 == 0 && kK1 % 1024 == 0 && kP1 % 1024 == 0 && kP0 % 1024 == 0);
 
   // Named barriers between the two consumer groups.
   static constexpr int kSyncMax0 = 1, kSyncMax1 = 2, kSyncP0 = 3, kSyncP1 = 4, kSyncSum = 5;
-  // Among the (first) producer's four warps (128 threads): the |Q| maximum of the f16 path; a
-  // paired producer's stores of a half done before its bulk copies to the peer.
+  // Among the (first) producer's four warps (128 threads): the |Q| maximum of the f16 path, then
+  // (kLaneRows) the slot list's store; a paired producer's stores of a half done before its bulk
+  // copies to the peer.
   static constexpr int kSyncProducer = 6, kSyncProducerPair = 7;
   // A paired producer's 32 rows of a tile (produce_blocks): bytes [kPairRowBytes · rank, + that).
   static constexpr int kPairRowBytes = kTileBytes / 2;
@@ -204,18 +208,26 @@ __device__ __forceinline__ void load_half_bf16(const SparseMlaParams& p, const B
   }
 }
 
+// Where the 64-head kernel's 656-byte producer reads a row's two tile scales of a half: with its
+// codes, into registers (Fp8Row::scales), without a cluster pair; paired, at the store, from the
+// line prefetched into L1 with the codes. Each measured faster there than the other
+// (docs/perf.md, run AI2).
+template <KvLayout kLayout, bool kPair>
+inline constexpr bool kStagedScales = kLayout == KvLayout::kFp8Scaled && !kPair;
+
 // fp8 pools: this thread's share of one row of a block's half, held in registers between its
 // load and its store. Half h's latent part is columns [256 h, 256 h + 256): codes[j] are the 16
-// codes at 256 h + 128 j + 16 lane8; rope fp8-raw's rope codes [8 lane8, +8) (R half only). The
-// 656-byte layout's two tile scales of those columns and its bf16 rope chunk lane8 (R half) are
-// prefetched into L1 with the codes: the store reads the scales and copies the rope through L1 by
-// cp.async once the buffer is free.
+// codes at 256 h + 128 j + 16 lane8 (tile 2 h + j); rope fp8-raw's rope codes [8 lane8, +8) (R
+// half only); scales (kStagedScales) the scales of tiles 2 h and 2 h + 1 (0 for an invalid row).
+// The 656-byte layout's bf16 rope chunk lane8 (R half) is prefetched into L1 with the codes and
+// copied through L1 by cp.async once the buffer is free.
 struct Fp8Row {
   uint4 codes[2];
   uint2 rope;
+  float2 scales;
 };
 
-template <KvLayout kLayout, int kHalf>
+template <KvLayout kLayout, int kHalf, bool kPair>
 __device__ __forceinline__ void load_row_fp8(const SparseMlaParams& p, int32_t loc, int lane8,
                                              Fp8Row& staged) {
   using Row = PoolRow<kLayout>;
@@ -225,7 +237,12 @@ __device__ __forceinline__ void load_row_fp8(const SparseMlaParams& p, int32_t l
   for (int j = 0; j < 2; ++j)
     staged.codes[j] = sm90::ld_global_nc_u32x4(src + 256 * kHalf + 128 * j + 16 * lane8, ok);
   if constexpr (kLayout == KvLayout::kFp8Scaled) {
-    sm90::prefetch_l1(src + Row::kScalesOffset + 8 * kHalf);
+    if constexpr (kStagedScales<kLayout, kPair>) {
+      const uint2 scales = sm90::ld_global_nc_u32x2(src + Row::kScalesOffset + 8 * kHalf, ok);
+      staged.scales = make_float2(__uint_as_float(scales.x), __uint_as_float(scales.y));
+    } else {
+      sm90::prefetch_l1(src + Row::kScalesOffset + 8 * kHalf);
+    }
     if constexpr (kHalf == 1) sm90::prefetch_l1(src + Row::kRopeOffset + 16 * lane8);
   } else if constexpr (kHalf == 1)
     staged.rope = sm90::ld_global_nc_u32x2(src + Row::kRopeOffset + 8 * lane8, ok);
@@ -275,7 +292,7 @@ __device__ __forceinline__ void copy_rope_656(const SparseMlaParams& p, int32_t 
 }
 
 // Widens staged row i of half kHalf to the operand type (bf16; f16 for fp8-raw) into the swizzled
-// tiles of `buffer` (an invalid row was loaded as zero codes; its scales are taken as 1). Alone
+// tiles of `buffer` (an invalid row was loaded as zero codes; its scales are 0 or 1). Alone
 // (!kPair), the 656-byte layout's R half also starts the row's rope cp.async.
 template <KvLayout kLayout, int kHalf, bool kPair>
 __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t loc,
@@ -288,7 +305,9 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
   asm volatile("" : "+r"(loc));
   const uint8_t* src = pool_row<kLayout>(p, loc);
   float2 scales = {1.f, 1.f};
-  if constexpr (kLayout == KvLayout::kFp8Scaled)
+  if constexpr (kStagedScales<kLayout, kPair>)
+    scales = staged.scales;
+  else if constexpr (kLayout == KvLayout::kFp8Scaled)
     if (ok)
       scales =
           __ldg(reinterpret_cast<const float2*>(src + PoolRow<kLayout>::kScalesOffset) + kHalf);
@@ -629,7 +648,17 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   int32_t held, next_held;
   Fp8Row staged[kOwnRows];
   const Fp8StoreOffsets offsets = fp8_store_offsets<kLayout>(group, lane8);
+  // kLaneRows: the loop takes the slot list and count from shared memory (Sm90Config::kSlotList)
+  // where it loads the next iteration's locations; held in registers through the loop, they
+  // spill at the producer's 88.
+  const auto slot_list = reinterpret_cast<const int32_t* volatile*>(smem + C::kSlotList);
+  const auto slot_count = reinterpret_cast<volatile int*>(smem + C::kSlotList + 8);
   if constexpr (kLane) {
+    if (wtid == 0) {
+      *slot_list = slots;
+      *slot_count = num_slots;
+    }
+    sm90::named_barrier_sync(C::kSyncProducer, 128);
     held = valid_location(p, load_iteration_rows(slots, 0, num_slots, lane, warp));
     next_held = num_iters > 1 ? load_iteration_rows(slots, 1, num_slots, lane, warp) : -1;
   } else {
@@ -650,7 +679,7 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
   if constexpr (kLayout != KvLayout::kBf16) {
 #pragma unroll
     for (int k = 0; k < kOwnRows; ++k)
-      load_row_fp8<kLayout, 0>(p, own_row(Now{}, 0, k), lane8, staged[k]);
+      load_row_fp8<kLayout, 0, kPair>(p, own_row(Now{}, 0, k), lane8, staged[k]);
   }
 
   // Halves in the order the consumers release them: K0.L, K1.R, K0.R, K1.L (the four steps of
@@ -690,7 +719,8 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
         store_row_fp8<kLayout, kHalf, kPair>(p, own_row(Now{}, kBuffer, k), staged[k], tiles,
                                              row0 + k, offsets, lane8);
         if (has_next)
-          load_row_fp8<kLayout, kNextHalf>(p, own_row(Next{}, kNextBuffer, k), lane8, staged[k]);
+          load_row_fp8<kLayout, kNextHalf, kPair>(p, own_row(Next{}, kNextBuffer, k), lane8,
+                                                  staged[k]);
       }
       if constexpr (kPair && kLayout == KvLayout::kFp8Scaled && kHalf == 1)
 #pragma unroll
@@ -739,7 +769,8 @@ __device__ __forceinline__ void produce_blocks(const SparseMlaParams& p, char* s
     step(One{}, Zero{}, it, more);  // K1.L; fp8: loads the next K0.L
     if constexpr (kLane) {
       held = next_held;
-      if (it + 2 < num_iters) next_held = load_iteration_rows(slots, it + 2, num_slots, lane, warp);
+      if (it + 2 < num_iters)
+        next_held = load_iteration_rows(*slot_list, it + 2, *slot_count, lane, warp);
     } else if (more) {
       rows[1] = block_rows(slots, 2 * it + 3, num_slots, group);
     }
