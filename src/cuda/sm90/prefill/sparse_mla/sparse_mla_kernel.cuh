@@ -300,17 +300,18 @@ __device__ __forceinline__ void store_row_fp8(const SparseMlaParams& p, int32_t 
                                               const Fp8StoreOffsets& offsets, int lane8) {
   using C = Sm90Config;
   const uint32_t row = buffer + i * 16 * 128;
-  const bool ok = loc >= 0;
-  // The row's address is recomputed here, not held from its load a step earlier.
-  asm volatile("" : "+r"(loc));
-  const uint8_t* src = pool_row<kLayout>(p, loc);
   float2 scales = {1.f, 1.f};
-  if constexpr (kStagedScales<kLayout, kPair>)
+  if constexpr (kStagedScales<kLayout, kPair>) {
     scales = staged.scales;
-  else if constexpr (kLayout == KvLayout::kFp8Scaled)
+  } else if constexpr (kLayout == KvLayout::kFp8Scaled) {
+    const bool ok = loc >= 0;
+    // The row's address is recomputed here, not held from its load a step earlier.
+    asm volatile("" : "+r"(loc));
+    const uint8_t* src = pool_row<kLayout>(p, loc);
     if (ok)
       scales =
           __ldg(reinterpret_cast<const float2*>(src + PoolRow<kLayout>::kScalesOffset) + kHalf);
+  }
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const float scale = j == 0 ? scales.x : scales.y;
