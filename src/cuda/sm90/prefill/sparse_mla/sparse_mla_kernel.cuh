@@ -1129,7 +1129,7 @@ cudaError_t launch_sm90_sparse(const SparseMlaParams& params, int64_t num_ctas, 
 // The 656-byte layout at 65-128 heads (the token's two 64-head groups read the same rows) takes
 // the paired kernel: each CTA of the cluster widens half of every block for both
 // (produce_blocks). fp8-raw's one conversion per pair costs less than the pairing adds there
-// (docs/perf.md, runs R1-R3).
+// (docs/perf.md, runs R1-R3 and AJ2).
 template <KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90(const SparseMlaParams& params, cudaStream_t stream) {
   using C = Sm90Config;
