@@ -462,22 +462,29 @@ std::vector<Row> bench_sparse(cuda::CudaBackend& be, const ModelConfig& c, int64
     be.sparse_mla(s);
   };
   time_each_kernel(be.options().sparse_mla_kernel, be, shape, "sparse_mla", flops, run, rows);
-  // Where sparse_mla_sm90 is the keys-on-M kernel (sparse_mla_sm90_few_heads_by_default), the
-  // 64-head kernel beside it; elsewhere the keys-on-M kernel where it takes the heads (16-head
-  // groups) beside the 64-head one.
-  if (cuda::attention::dispatch_sparse_mla_sm90_few_heads(layout, [](auto) {}) &&
-      cuda::attention::sparse_mla_sm90_few_heads_take(layout, h)) {
+  // Beside sparse_mla_sm90 (the kernel chosen by H and layout), the other wgmma variants that
+  // take these heads: the 64-head kernel, and the keys-on-M kernel's items of 16 heads and (past
+  // 16 heads) of 32 where it has them (sparse_mla_sm90_hN: DSAKIT_SPARSE_MLA_SM90_HEADS=N).
+  {
     const bool few = cuda::attention::sparse_mla_sm90_few_heads_by_default(layout, h);
-    const cuda::CudaBackendOptions saved = be.options();
-    be.options().sparse_mla_kernel = AttentionKernel::kWgmma;
-    be.options().sparse_mla_sm90_heads = few ? 64 : 16;
-    try {
-      rows.push_back(
-          {shape, few ? "sparse_mla_sm90_h64" : "sparse_mla_sm90_h16", time_ms(be, run), flops, 0});
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::kUnsupported) throw;
+    const int chosen = few ? cuda::attention::sparse_mla_sm90_few_heads_item(layout, h) : 64;
+    for (const int heads : {16, 32, 64}) {
+      if (heads == chosen || (heads == 32 && h <= 16)) continue;
+      if (heads != 64 &&
+          (!cuda::attention::sparse_mla_sm90_few_heads_take(layout, h) ||
+           !cuda::attention::dispatch_sparse_mla_sm90_few_heads(heads, layout, [](auto, auto) {})))
+        continue;
+      const cuda::CudaBackendOptions saved = be.options();
+      be.options().sparse_mla_kernel = AttentionKernel::kWgmma;
+      be.options().sparse_mla_sm90_heads = heads;
+      try {
+        rows.push_back(
+            {shape, fmt::format("sparse_mla_sm90_h{}", heads), time_ms(be, run), flops, 0});
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::kUnsupported) throw;
+      }
+      be.options() = saved;
     }
-    be.options() = saved;
   }
   be.options().host_value_checks = true;
   // The gather alone (bench/row_gather.cu), one CTA per token and per 64-head group as the wgmma

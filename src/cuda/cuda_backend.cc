@@ -72,14 +72,15 @@ AttentionKernel attention_kernel(const char* env, AttentionKernel option) {
                        : AttentionKernel::kAuto;
 }
 
-// The wgmma sparse kernel's heads per CTA: DSAKIT_SPARSE_MLA_SM90_HEADS (auto | 16 | 64)
+// The wgmma sparse kernel's heads per CTA: DSAKIT_SPARSE_MLA_SM90_HEADS (auto | 16 | 32 | 64)
 // overrides the option (auto: 0, by H).
 int sparse_mla_sm90_heads(int option) {
   const char* s = std::getenv("DSAKIT_SPARSE_MLA_SM90_HEADS");
   if (s == nullptr || *s == 0) return option;
   const std::string v = s;
-  DSAKIT_CHECK_ARG(v == "auto" || v == "16" || v == "64",
-                   "DSAKIT_SPARSE_MLA_SM90_HEADS: expected 'auto', '16' or '64', got '", v, "'");
+  DSAKIT_CHECK_ARG(v == "auto" || v == "16" || v == "32" || v == "64",
+                   "DSAKIT_SPARSE_MLA_SM90_HEADS: expected 'auto', '16', '32' or '64', got '", v,
+                   "'");
   return v == "auto" ? 0 : std::stoi(v);
 }
 

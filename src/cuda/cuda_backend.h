@@ -59,8 +59,9 @@ struct CudaBackendOptions {
   // variable DSAKIT_SPARSE_MLA_KERNEL (auto | sm80 | sm90) overrides it.
   AttentionKernel sparse_mla_kernel = AttentionKernel::kAuto;
   // The wgmma sparse kernel's heads per CTA: 0 chooses by H and layout (the keys-on-M kernel for
-  // H <= 16, and on FP8 pools for H <= 32), 16 or 64 forces one; DSAKIT_SPARSE_MLA_SM90_HEADS
-  // (auto | 16 | 64) overrides it.
+  // H <= 16, and on FP8 pools for H <= 32), 16 or 64 forces one, 32 the keys-on-M kernel's
+  // 32-head items (fp8-raw pools); DSAKIT_SPARSE_MLA_SM90_HEADS (auto | 16 | 32 | 64) overrides
+  // it.
   int sparse_mla_sm90_heads = 0;
   // The dense MHA kernel: kAuto chooses per call (dense_mha_kernel_for); the environment
   // variable DSAKIT_DENSE_MHA_KERNEL (auto | sm80 | sm90) overrides it.

@@ -295,30 +295,39 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
       // 656-byte tile scales spread over 2^9 within a row and growing 2^12 across the pool.
       {KvLayout::kFp8Scaled, 3, 16, 2048, true, ScalePolicy::kPow2, 1.f, 0, 0.008},
       {KvLayout::kFp8Scaled, 3, 40, 1000, false, ScalePolicy::kPow2, 1.f, 0, 0.008},
-      // FP8 pools at 17-32 heads: the keys-on-M kernel by default, in two 16-head groups.
+      // FP8 pools at 17-32 heads: the keys-on-M kernel by default (fp8-raw: one 32-head item a
+      // token, two tokens a CTA; 656-byte: a token's two 16-head groups); at 24 heads Q's scale
+      // far from 1, an odd token count and the full top-k.
       {KvLayout::kFp8Raw, 3, 32, 300, true},
+      {KvLayout::kFp8Raw, 5, 24, 2048, true, ScalePolicy::kAmax, 3e4f},
       {KvLayout::kFp8Scaled, 3, 20, 700, false, ScalePolicy::kPow2, 1.f, 0.5},
   };
   for (const SparseCase& c : cases)
-    for (const std::string kernel : {"sm80", "sm90", "sm90-h64", "sm90-h16"}) {
+    for (const std::string kernel : {"sm80", "sm90", "sm90-h64", "sm90-h16", "sm90-h32"}) {
       // sm90: the wgmma kernel by H and layout (keys on M for H <= 16, on FP8 pools H <= 32);
-      // sm90-h64: its 64-head variant where sm90 runs keys on M; sm90-h16: the keys-on-M kernel
-      // forced where sm90 runs the 64-head one (FP8 pools: 16-head groups).
+      // sm90-h64: its 64-head variant where sm90 runs keys on M; sm90-h16 / sm90-h32: the
+      // keys-on-M kernel's 16- / 32-head items forced where sm90 runs another variant.
       const bool wgmma = kernel != "sm80";
-      const bool few_heads_instance =
-          cuda::attention::dispatch_sparse_mla_sm90_few_heads(c.layout, [](auto) {});
       const bool few_by_default =
           cuda::attention::sparse_mla_sm90_few_heads_by_default(c.layout, c.num_heads);
-      if (kernel == "sm90-h64" && (!few_by_default || !few_heads_instance)) continue;
-      if (kernel == "sm90-h16" &&
-          (few_by_default || !few_heads_instance ||
-           !cuda::attention::sparse_mla_sm90_few_heads_take(c.layout, c.num_heads)))
+      const int item = cuda::attention::sparse_mla_sm90_few_heads_item(c.layout, c.num_heads);
+      // Whether the keys-on-M kernel's `forced`-head items run here and differ from sm90's.
+      const auto other_items = [&](int forced) {
+        return !(few_by_default && item == forced) &&
+               cuda::attention::sparse_mla_sm90_few_heads_take(c.layout, c.num_heads) &&
+               cuda::attention::dispatch_sparse_mla_sm90_few_heads(forced, c.layout,
+                                                                   [](auto, auto) {});
+      };
+      if (kernel == "sm90-h64" &&
+          (!few_by_default ||
+           !cuda::attention::dispatch_sparse_mla_sm90_few_heads(item, c.layout, [](auto, auto) {})))
+        continue;
+      if ((kernel == "sm90-h16" && !other_items(16)) || (kernel == "sm90-h32" && !other_items(32)))
         continue;
       if (wgmma && !cuda::attention::dispatch_sparse_mla_sm90(c.layout, [](auto) {})) continue;
       const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", wgmma ? "sm90" : "sm80");
-      const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", kernel == "sm90-h64"   ? "64"
-                                                              : kernel == "sm90-h16" ? "16"
-                                                                                     : "auto");
+      const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS",
+                              kernel.rfind("sm90-h", 0) == 0 ? kernel.c_str() + 6 : "auto");
       const uint64_t seed = testing::fresh_seed();
       SCOPED_TRACE(::testing::Message()
                    << "seed " << seed << " kernel " << kernel << " layout " << to_string(c.layout)
@@ -342,36 +351,44 @@ TEST_F(CudaSparseMla, MatchesReferenceAcrossLayoutsHeadsAndTopk) {
     }
 }
 
-// The keys-on-M kernels (few_heads_kernel.cuh, few_heads_fp8_kernel.cuh) alone on every layout,
-// small enough for racecheck: a CTA's two work items (adjacent tokens' 16-head groups, or, on FP8
-// pools, one token's two groups at 20 and 32 heads, forced) with equal block counts, unequal ones
-// (topk_length drawn from [0, k + 3]) and none (token 1 reads nothing), and odd item counts (the
-// last CTA's second consumer group idle), at 16 heads, 7, 20 and 32 (the bf16 kernel takes
-// H <= 16 only).
+// The keys-on-M kernels (few_heads_kernel.cuh, few_heads_fp8_kernel.cuh) alone on every layout
+// and item size, small enough for racecheck: a CTA's two work items (adjacent tokens' head groups,
+// or, on FP8 pools, one token's two 16-head groups at 20 and 32 heads, forced) with equal block
+// counts, unequal ones (topk_length drawn from [0, k + 3]) and none (token 1 reads nothing), and
+// odd item counts (the last CTA's second consumer group idle), at 16 heads, 7, 20, 32, 48 and 64
+// (the bf16 kernel takes H <= 16 only; fp8-raw's 32-head items any H, a token's two sharing the
+// ring's rows past 32).
 TEST_F(CudaSparseMla, KeysOnMKernelMatchesReference) {
   const KernelScope scope("DSAKIT_SPARSE_MLA_KERNEL", "sm90");
-  const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", "16");
   int ran = 0;
-  for (const KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Raw, KvLayout::kFp8Scaled}) {
-    if (!cuda::attention::dispatch_sparse_mla_sm90_few_heads(layout, [](auto) {})) continue;
-    const ScalePolicy pow2 = ScalePolicy::kPow2;  // fp8-raw and bf16 pools ignore it
-    for (const SparseCase& c :
-         {SparseCase{layout, 3, 16, 2048, true, pow2}, SparseCase{layout, 3, 7, 129, false, pow2},
-          SparseCase{layout, 2, 32, 300, true, pow2}, SparseCase{layout, 9, 16, 600, true, pow2},
-          SparseCase{layout, 5, 20, 500, true, pow2}, SparseCase{layout, 4, 16, 300, true, pow2},
-          // One item of a CTA's pair with no block: the first (token 2 of 2 and 3), the second
-          // (token 5 of 4 and 5).
-          SparseCase{layout, 4, 16, 300, true, pow2, 1.f, 0, 0, 2},
-          SparseCase{layout, 6, 16, 200, true, pow2, 1.f, 0, 0, 5}}) {
-      if (!cuda::attention::sparse_mla_sm90_few_heads_take(layout, c.num_heads)) continue;
-      const uint64_t seed = testing::fresh_seed();
-      SCOPED_TRACE(::testing::Message()
-                   << "seed " << seed << " layout " << to_string(layout) << " T " << c.num_tokens
-                   << " H " << c.num_heads << " k " << c.topk);
-      expect_matches_reference(c, run(c, seed));
-      ++ran;
+  for (const int item : {16, 32})
+    for (const KvLayout layout : {KvLayout::kBf16, KvLayout::kFp8Raw, KvLayout::kFp8Scaled}) {
+      if (!cuda::attention::dispatch_sparse_mla_sm90_few_heads(item, layout, [](auto, auto) {}))
+        continue;
+      const KernelScope heads("DSAKIT_SPARSE_MLA_SM90_HEADS", std::to_string(item).c_str());
+      const ScalePolicy pow2 = ScalePolicy::kPow2;  // fp8-raw and bf16 pools ignore it
+      for (const SparseCase& c :
+           {SparseCase{layout, 3, 16, 2048, true, pow2}, SparseCase{layout, 3, 7, 129, false, pow2},
+            SparseCase{layout, 2, 32, 300, true, pow2}, SparseCase{layout, 9, 16, 600, true, pow2},
+            SparseCase{layout, 5, 20, 500, true, pow2}, SparseCase{layout, 4, 16, 300, true, pow2},
+            // One item of a CTA's pair with no block: the first (token 2 of 2 and 3), the second
+            // (token 5 of 4 and 5).
+            SparseCase{layout, 4, 16, 300, true, pow2, 1.f, 0, 0, 2},
+            SparseCase{layout, 6, 16, 200, true, pow2, 1.f, 0, 0, 5},
+            // 32-head items past 32 heads: a token's two items in one CTA share the ring's rows
+            // (the second item partly empty at 48).
+            SparseCase{layout, 3, 64, 300, true, pow2},
+            SparseCase{layout, 2, 48, 129, false, pow2}}) {
+        if (!cuda::attention::sparse_mla_sm90_few_heads_take(layout, c.num_heads)) continue;
+        const uint64_t seed = testing::fresh_seed();
+        SCOPED_TRACE(::testing::Message()
+                     << "seed " << seed << " items of " << item << " heads, layout "
+                     << to_string(layout) << " T " << c.num_tokens << " H " << c.num_heads << " k "
+                     << c.topk);
+        expect_matches_reference(c, run(c, seed));
+        ++ran;
+      }
     }
-  }
   if (ran == 0) GTEST_SKIP() << "no keys-on-M instance";
 }
 
@@ -380,11 +397,11 @@ TEST_F(CudaSparseMla, KeysOnMKernelMatchesReference) {
 // attending to one location, so o_lat is that row's V as the kernel widened it (P = 1). The
 // 656-byte rows' values are bf16(code · scale) exactly; fp8-raw's fp32(code · k_scale) rounded
 // to bf16, within one bf16 step. A NaN code anywhere in a row (nope or rope) makes its
-// token's o_lat and lse NaN, and the other tokens stay exact. 8 heads and 128 (656-byte pools: the
-// wgmma kernel's paired CTAs).
+// token's o_lat and lse NaN, and the other tokens stay exact. 8 heads, 128 (656-byte pools: the
+// wgmma kernel's paired CTAs), and 32 (fp8-raw pools: the keys-on-M kernel's 32-head items).
 TEST_F(CudaSparseMla, EveryFp8CodeReadsAsItsValue) {
   constexpr int kDc = 512, kDr = 64;
-  for (const int kHeads : {8, 128})
+  for (const int kHeads : {8, 32, 128})
     for (const KvLayout layout : {KvLayout::kFp8Raw, KvLayout::kFp8Scaled})
       for (const std::string kernel : {"sm80", "sm90"}) {
         if (kernel == "sm90" && !cuda::attention::dispatch_sparse_mla_sm90(layout, [](auto) {}))

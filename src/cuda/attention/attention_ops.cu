@@ -105,19 +105,24 @@ void cuda_sparse_mla(const SparseMlaArgs& a, cudaStream_t stream, AttentionKerne
                  ": the wgmma kernel reads 656-byte fp8 pools with pow2 scales only (it widens "
                  "code x scale to bf16, exact for powers of two); this pool's scale policy is ",
                  to_string(desc.scale_policy), ": use the mma.sync kernel (sm80)");
-    DSAKIT_CHECK(sm90_heads == 0 || sm90_heads == 16 || sm90_heads == 64, kInvalidArgument, kOp,
-                 ": wgmma heads per CTA ", sm90_heads, "; expected 0 (by H), 16 or 64");
-    const auto few_heads = [&](auto layout) {
-      status = run_sparse_mla_sm90_few_heads<decltype(layout)::value>(params, stream);
+    DSAKIT_CHECK(sm90_heads == 0 || sm90_heads == 16 || sm90_heads == 32 || sm90_heads == 64,
+                 kInvalidArgument, kOp, ": wgmma heads per CTA ", sm90_heads,
+                 "; expected 0 (by H), 16, 32 or 64");
+    const auto few_heads = [&](auto heads, auto layout) {
+      status = run_sparse_mla_sm90_few_heads<decltype(heads)::value, decltype(layout)::value>(
+          params, stream);
     };
     bool found = false;
-    if (sm90_heads == 16
-            ? cuda::attention::sparse_mla_sm90_few_heads_take(desc.layout, num_heads)
-            : sm90_heads != 64 &&
-                  cuda::attention::sparse_mla_sm90_few_heads_by_default(desc.layout, num_heads))
-      found = cuda::attention::dispatch_sparse_mla_sm90_few_heads(desc.layout, few_heads);
-    DSAKIT_CHECK(found || sm90_heads != 16, kUnsupported, kOp, ": no 16-head wgmma instance for ",
-                 num_heads, " heads + a ", to_string(desc.layout),
+    const bool forced_few = sm90_heads == 16 || sm90_heads == 32;
+    if (forced_few ? cuda::attention::sparse_mla_sm90_few_heads_take(desc.layout, num_heads)
+                   : sm90_heads != 64 && cuda::attention::sparse_mla_sm90_few_heads_by_default(
+                                             desc.layout, num_heads))
+      found = cuda::attention::dispatch_sparse_mla_sm90_few_heads(
+          forced_few ? sm90_heads
+                     : cuda::attention::sparse_mla_sm90_few_heads_item(desc.layout, num_heads),
+          desc.layout, few_heads);
+    DSAKIT_CHECK(found || !forced_few, kUnsupported, kOp, ": no keys-on-M wgmma instance with ",
+                 sm90_heads, "-head items for ", num_heads, " heads + a ", to_string(desc.layout),
                  " pool; compiled: ", cuda::attention::sparse_mla_sm90_supported());
     if (!found)
       found = cuda::attention::dispatch_sparse_mla_sm90(desc.layout, [&](auto layout) {

@@ -32,10 +32,11 @@ AttentionKernel sparse_mla_kernel_for(const KvPoolDesc& desc);
 // Sparse MLA (docs/design.md, "Sparse MLA"), prefill and decode: q_abs / q_pe / o_lat bf16, d_c
 // 512, d_rope 64, H in [1, 128], any top-k, pool layouts bf16 | fp8 | fp8-raw read by location.
 // `kernel` other than kAuto forces that kernel (kUnsupported where it has no instance). The
-// wgmma kernel's heads per CTA: `sm90_heads` 0 chooses by H and layout (16, keys on M, where it
-// has an instance, for H <= 16, on FP8 pools for H <= 32 in CTAs of 16 heads; else 64), 64 or 16
-// forces one (16: kUnsupported for H > 16 on bf16 pools; FP8 pools it takes in groups of 16
-// heads).
+// wgmma kernel's heads per CTA: `sm90_heads` 0 chooses by H and layout (keys on M, where it has
+// an instance, for H <= 16, on FP8 pools for H <= 32, in items of
+// sparse_mla_sm90_few_heads_item(layout, H) heads; else 64), 64, 32 or 16 forces one (16:
+// kUnsupported for H > 16 on bf16 pools, FP8 pools it takes in items of 16 heads; 32: fp8-raw
+// pools only, any H in items of 32 heads).
 void cuda_sparse_mla(const SparseMlaArgs& args, cudaStream_t stream,
                      AttentionKernel kernel = AttentionKernel::kAuto, int sm90_heads = 0);
 

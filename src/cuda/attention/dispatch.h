@@ -20,16 +20,17 @@ inline int sparse_mla_heads_per_cta(int num_heads) {
   return num_heads <= 16 ? 16 : 64;
 }
 
-template <typename F>
-bool dispatch_sparse_mla_sm80(int heads_per_cta, KvLayout layout, F&& f) {
-#define DSAKIT_X(kHeads, kLayout)                               \
-  if (heads_per_cta == kHeads && layout == KvLayout::kLayout) { \
-    f(std::integral_constant<int, kHeads>{},                    \
-      std::integral_constant<KvLayout, KvLayout::kLayout>{});   \
-    return true;                                                \
+// One row of a sparse table of (heads, layout) rows: (heads, layout) -> f(integral constants).
+#define DSAKIT_X_SPARSE_MLA_HEADS(kHeads, kLayout)            \
+  if (heads == kHeads && layout == KvLayout::kLayout) {       \
+    f(std::integral_constant<int, kHeads>{},                  \
+      std::integral_constant<KvLayout, KvLayout::kLayout>{}); \
+    return true;                                              \
   }
-  DSAKIT_SPARSE_MLA_SM80_INSTANCES(DSAKIT_X)
-#undef DSAKIT_X
+
+template <typename F>
+bool dispatch_sparse_mla_sm80(int heads, KvLayout layout, F&& f) {  // heads per CTA
+  DSAKIT_SPARSE_MLA_SM80_INSTANCES(DSAKIT_X_SPARSE_MLA_HEADS)
   return false;
 }
 
@@ -46,13 +47,13 @@ bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
   return false;
 }
 
-// The keys-on-M wgmma kernel: its heads per CTA (the largest H it runs in one CTA), and the
-// largest H it runs by default on FP8 pools, in CTAs of 16 heads (against the 64-head kernel,
-// docs/perf.md run AA4: ahead at 32 heads on both FP8 layouts, far behind at 64).
+// The keys-on-M wgmma kernel: its work item on bf16 pools (the largest H it runs there), and
+// the largest H it runs by default on FP8 pools (against the 64-head kernel, docs/perf.md run
+// AA4: ahead at 32 heads on both FP8 layouts, far behind at 64).
 inline constexpr int kSparseMlaSm90FewHeads = 16;
 inline constexpr int kSparseMlaSm90FewHeadsFp8 = 32;
-// Whether the keys-on-M kernel runs H heads on this layout when forced (16 heads per CTA): the
-// FP8 ones take any H in CTAs of 16 heads (few_heads_fp8_kernel.cuh), the bf16 one H <= 16.
+// Whether the keys-on-M kernel runs H heads on this layout when forced (16-head items): the FP8
+// ones take any H (few_heads_fp8_kernel.cuh), the bf16 one H <= 16.
 inline bool sparse_mla_sm90_few_heads_take(KvLayout layout, int64_t num_heads) {
   return num_heads <= kSparseMlaSm90FewHeads || layout != KvLayout::kBf16;
 }
@@ -61,13 +62,23 @@ inline bool sparse_mla_sm90_few_heads_by_default(KvLayout layout, int64_t num_he
   return num_heads <=
          (layout == KvLayout::kBf16 ? kSparseMlaSm90FewHeads : kSparseMlaSm90FewHeadsFp8);
 }
-
+// The keys-on-M rows: (heads per work item, layout).
 template <typename F>
-bool dispatch_sparse_mla_sm90_few_heads(KvLayout layout, F&& f) {
-  DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(DSAKIT_X_SPARSE_MLA_SM90)
+bool dispatch_sparse_mla_sm90_few_heads(int heads, KvLayout layout, F&& f) {
+  DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(DSAKIT_X_SPARSE_MLA_HEADS)
   return false;
 }
 #undef DSAKIT_X_SPARSE_MLA_SM90
+#undef DSAKIT_X_SPARSE_MLA_HEADS
+
+// Its work item by default: 32 heads for fp8-raw pools past 16 heads where that row is compiled
+// (1.31-1.33x the 16-head items at 32 heads, docs/perf.md run AK2), else 16.
+inline int sparse_mla_sm90_few_heads_item(KvLayout layout, int64_t num_heads) {
+  return layout == KvLayout::kFp8Raw && num_heads > 16 &&
+                 dispatch_sparse_mla_sm90_few_heads(32, layout, [](auto, auto) {})
+             ? 32
+             : 16;
+}
 
 // One dense MHA row: (d_nope, d_rope, d_v) -> f(integral constants).
 #define DSAKIT_X_DENSE_MHA(kNope, kRope, kV)                                      \
@@ -120,8 +131,8 @@ inline std::string sparse_mla_sm90_supported() {
           to_string(KvLayout::kLayout) + " pool";
   DSAKIT_SPARSE_MLA_SM90_INSTANCES(DSAKIT_X)
 #undef DSAKIT_X
-#define DSAKIT_X(kLayout)                                                                  \
-  rows += std::string(rows.empty() ? "" : ", ") + "16 heads/CTA, keys on M (H <= 16) + " + \
+#define DSAKIT_X(kHeads, kLayout)                                                          \
+  rows += std::string(rows.empty() ? "" : ", ") + "keys on M, " #kHeads "-head items + " + \
           to_string(KvLayout::kLayout) + " pool";
   DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(DSAKIT_X)
 #undef DSAKIT_X

@@ -25,14 +25,16 @@
   X(kFp8Scaled)                             \
   X(kFp8Raw)
 
-// Sparse MLA, wgmma kernel with keys on M, two work items of 16 heads a CTA (few_heads_kernel.cuh):
-// X(layout). On FP8 pools the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh),
-// by default up to 32 heads (sparse_mla_sm90_few_heads_by_default), at any H when forced
-// (DSAKIT_SPARSE_MLA_SM90_HEADS=16).
+// Sparse MLA, wgmma kernel with keys on M, two work items a CTA (few_heads_kernel.cuh):
+// X(heads per work item, layout). On FP8 pools the codes widened in the consumers' registers
+// (few_heads_fp8_kernel.cuh), by default up to 32 heads (sparse_mla_sm90_few_heads_by_default) in
+// items of sparse_mla_sm90_few_heads_item(layout, H) heads, at any H when forced
+// (DSAKIT_SPARSE_MLA_SM90_HEADS=16 or 32).
 #define DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES(X) \
-  X(kBf16)                                            \
-  X(kFp8Scaled)                                       \
-  X(kFp8Raw)
+  X(16, kBf16)                                        \
+  X(16, kFp8Scaled)                                   \
+  X(16, kFp8Raw)                                      \
+  X(32, kFp8Raw)
 
 // Dense MHA, mma.sync kernel (src/cuda/sm80/prefill/dense_mha/): X(d_nope, d_rope, d_v).
 // (192, 64, 128) also runs GLM-5's (192, 64, 256) on short grids as two V column slices.

@@ -69,9 +69,10 @@ cudaError_t run_sparse_mla(const SparseMlaParams& params, cudaStream_t stream);
 template <KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90(const SparseMlaParams& params, cudaStream_t stream);
 
-// wgmma kernel for H <= 16 (keys on the wgmma M dimension): one CTA of three warpgroups per
-// token. Returns the launch status (cudaErrorInvalidValue for H > 16).
-template <KvLayout kLayout>
+// wgmma kernel with keys on the wgmma M dimension: one CTA of three warpgroups per two work items
+// of kHeads heads (a token's heads [kHeads i, + kHeads)). Returns the launch status
+// (cudaErrorInvalidValue for H > 16 on bf16 pools).
+template <int kHeads, KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90_few_heads(const SparseMlaParams& params, cudaStream_t stream);
 
 }  // namespace dsakit::cuda::sparse_mla
@@ -83,9 +84,9 @@ cudaError_t run_sparse_mla_sm90_few_heads(const SparseMlaParams& params, cudaStr
       const dsakit::cuda::sparse_mla::SparseMlaParams&, cudaStream_t);
 
 // One row of DSAKIT_SPARSE_MLA_SM90_FEW_HEADS_INSTANCES.
-#define DSAKIT_INSTANTIATE_SPARSE_MLA_SM90_FEW_HEADS(kLayout)                         \
-  template cudaError_t                                                                \
-  dsakit::cuda::sparse_mla::run_sparse_mla_sm90_few_heads<dsakit::KvLayout::kLayout>( \
+#define DSAKIT_INSTANTIATE_SPARSE_MLA_SM90_FEW_HEADS(kHeads, kLayout)                         \
+  template cudaError_t                                                                        \
+  dsakit::cuda::sparse_mla::run_sparse_mla_sm90_few_heads<kHeads, dsakit::KvLayout::kLayout>( \
       const dsakit::cuda::sparse_mla::SparseMlaParams&, cudaStream_t);
 
 // One row of DSAKIT_SPARSE_MLA_SM90_INSTANCES.

@@ -331,11 +331,13 @@ __device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], uint64_t desc_
 #undef DSAKIT_WGMMA_M64N16K16_SS
 }
 
-// d[64 x 16] (+)= A[64 x 16] · B[16 x 16], A from registers (the m64n16 accumulator layout of
-// 16-bit pairs, bf16 or f16: kAb), B from shared memory, K-major. scale_d == 0 overwrites d.
-template <Ab kAb>
-__device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[8], const uint32_t (&a)[4],
-                                                  uint64_t desc_b, int scale_d) {
+// d[64 x kN] (+)= A[64 x 16] · B[16 x kN] for kN = 16 or 32, A from registers (the m64nkN
+// accumulator layout of 16-bit pairs, bf16 or f16: kAb), B from shared memory, K-major.
+// scale_d == 0 overwrites d.
+template <int kN, Ab kAb>
+__device__ __forceinline__ void wgmma_m64nNk16_rs(float (&d)[kN / 2], const uint32_t (&a)[4],
+                                                 uint64_t desc_b, int scale_d) {
+  static_assert(kN == 16 || kN == 32, "wgmma_m64nNk16_rs: N = 16 or 32");
 #define DSAKIT_WGMMA_M64N16K16_RS(ab) \
   asm volatile( \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n" \
@@ -343,8 +345,23 @@ __device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[8], const uint32_t
   "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n" \
   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
-  DSAKIT_WGMMA_FOR_AB(DSAKIT_WGMMA_M64N16K16_RS);
+#define DSAKIT_WGMMA_M64N32K16_RS(ab) \
+  asm volatile( \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n32k16.f32." ab "." ab " " \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+  "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n" \
+  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]) \
+  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+  if constexpr (kN == 16) {
+    DSAKIT_WGMMA_FOR_AB(DSAKIT_WGMMA_M64N16K16_RS);
+  } else {
+    DSAKIT_WGMMA_FOR_AB(DSAKIT_WGMMA_M64N32K16_RS);
+  }
 #undef DSAKIT_WGMMA_M64N16K16_RS
+#undef DSAKIT_WGMMA_M64N32K16_RS
 }
 
 // d[64 x 64] (+)= A[64 x 16] · B[16 x 64], A and B (bf16, or f16: kAb) from shared memory

@@ -1,5 +1,6 @@
-// Sparse MLA on Hopper for few heads (H <= 16 per CTA) on FP8 pools: the rows gathered as
-// stored, their codes widened in the consumers' registers. Two layouts:
+// Sparse MLA on Hopper for few heads (work items of kN = 16 heads, or 32 on fp8-raw pools) on
+// FP8 pools: the rows gathered as stored, their codes widened in the consumers' registers. Two
+// layouts:
 //   fp8-raw (576 B: 576 e4m3 codes, one scale for the pool);
 //   656-byte (512 e4m3 codes | 4 fp32 scales, one per 128 columns | 64 bf16 rope values).
 // Same contract and numerics as the other sparse kernels: the codes exactly in f16, Q scaled by a
@@ -9,10 +10,12 @@
 // Keys on the wgmma M dimension as in few_heads_kernel.cuh, but both products take A from
 // registers, so the pool's codes never pass through shared memory as 16-bit values:
 //   Sᵀ[m, h] = K[m, :] · Q[h, :]     A = 64 keys' codes widened to f16 (k16 steps of 576 columns),
-//                                    B = Q (16 heads, K-major, columns permuted, below)
+//                                    B = Q (kN heads, K-major, columns permuted, below)
 //   Oᵀ[d, h] += Vᵀ[d, m] · Pᵀ[m, h]  A = the same codes read across keys (dims on M), widened,
-//                                    B = Pᵀ, [16 heads][64 keys] f16 tiles per group
-// A wgmma with A in registers reads only B from shared memory, 0.5 KB a k16 step at N = 16.
+//                                    B = Pᵀ, [kN heads][64 keys] f16 tiles per group
+// A wgmma with A in registers reads only B from shared memory, 0.5 KB a k16 step at N = 16. At
+// N = 32 a block's loads and conversions serve twice the heads (FewHeadsFp8Config: its registers,
+// ring and row order).
 //
 // 656-byte pools: the scales are per (key, 128-column tile), so
 //   Sᵀ = Σ_t scale[:, t] ⊙ (codes_t · Q_tᵀ) + rope · Q_peᵀ: one f16 accumulator per tile (its
@@ -24,20 +27,22 @@
 //     (2^kRescaleSlack) in f16: rounded to 11 bits where P · scale / σ_t >= 2^-14, to 2^-24
 //     below; O_t / σ_t is what the group accumulates (its epilogue multiplies σ_t back).
 //
-// One CTA of three warpgroups per two work items (a work item: a token's 16-head group; at H <= 16
+// One CTA of three warpgroups per two work items (a work item: a token's kN-head group; at H <= kN
 // two adjacent tokens, in a causal prompt at most one block apart): consumer group i (WG0 / WG1)
 // takes every block of item i with its own online softmax over all 512 dims, converts its item's
 // Q (permuted) at the start and writes its output at the end: a CTA's start (Q, the first blocks'
 // fill) and end are paid once per two items, and no partial results meet. WG2 (producer) copies
 // each block of 64 selected rows of both items as stored by cp.async into a ring of kStages buffers
-// (5 of 37 KB for fp8-raw rows, 4 of 41 KB for 656-byte ones; invalid rows zero-filled: codes,
-// scales and rope 0), in PairOrder (the items' blocks alternating); ring index i goes to buffer i %
-// kStages.
+// (5 of 37 KB for fp8-raw rows, 4 of 41 KB for 656-byte ones, 4 of 36 KB for 32-head items;
+// invalid rows zero-filled: codes, scales and rope 0), in PairOrder (the items' blocks
+// alternating; 32-head items of one token, past 32 heads, share each block); ring index i goes to
+// buffer i % kStages.
 //
-// Row order. Buffer row j holds the block's slot j; M index m (the Sᵀ row, the Oᵀ k index, the
-// Pᵀ column) is buffer row rho(m), rho swapping bits 0 and 2 of m. With an odd row stride in
-// 16-byte chunks (37: 592 bytes; 41: 656) every shared-memory read of both products is
-// conflict-free:
+// Row order (16-head items). Buffer row j holds the block's slot j; M index m (the Sᵀ row, the Oᵀ
+// k index, the Pᵀ column) is buffer row rho(m), rho swapping bits 0 and 2 of m. With an odd row
+// stride in 16-byte chunks (37: 592 bytes; 41: 656) every shared-memory read of both products is
+// conflict-free (32-head items: rho the identity, a 576-byte stride and chunk c of row j at
+// c ^ ((j >> 1) & 3), FewHeadsFp8Config::chunk_of, conflict-free alike):
 //   Sᵀ: lane (g, q) of warp w reads rows rho(16w + g), rho(16w + g + 8), chunk 4u + q for
 //     column group u (64 codes); 656-byte rope chunks q, q + 4 of the rope (8 bf16 each);
 //   Oᵀ: lane (g, q) reads rows rho(16ks + 2q + {0, 1, 8, 9}): fp8-raw one 16-byte chunk
@@ -56,17 +61,18 @@
 // lane's word of tile t is its rows of M tiles 2t, 2t + 1).
 //
 // Accumulators (thread g = lane / 4, q = lane % 4 of warp w):
-//   s[4j + 2r + c]      = Sᵀ[m = 16w + g + 8r][head 8j + 2q + c]            j, r, c in {0, 1}
-//   o[mt][4j + 2r + c]  = Oᵀ[dim of (mt, r) above][head 8j + 2q + c]       mt < 8
-// so a thread holds 4 heads, hi = 2j + c.
+//   s[4j + 2r + c]      = Sᵀ[m = 16w + g + 8r][head 8j + 2q + c]       j < kN / 8, r, c in {0, 1}
+//   o[mt][4j + 2r + c]  = Oᵀ[dim of (mt, r) above][head 8j + 2q + c]   mt < 8
+// so a thread holds kN / 4 heads, hi = 2j + c.
 //
 // Shared memory (bytes):
-//   Q    [2 groups][9 tiles of 16 x 64 f16] 2 x 18432  K-major, 128-byte swizzled (656-byte: tile
-//                                                      8 bf16)
-//   Pᵀ   [2 groups][1 | 4][16 x 64 f16]   the same
+//   Q    [2 groups][9 tiles of kN x 64 f16] 2 x 18432 | 36864  K-major, 128-byte swizzled
+//                                                      (656-byte: tile 8 bf16)
+//   Pᵀ   [2 groups][1 | 4][kN x 64 f16]   the same
 //   ring [kStages][64 rows][row stride]  rows as stored
 //   mbarriers full / empty [kStages], q_full [2]; the groups' per-warp head maxima / sums and
-//   scale maxima; per group Q's power-of-two shift and its warps' |Q| maxima.
+//   scale maxima; per group Q's power-of-two shift and its warps' |Q| maxima; 32-head items the
+//   groups' running maxima per head (FewHeadsSoftmax::kMaxInSmem).
 #pragma once
 
 #include "src/cuda/sm90/prefill/sparse_mla/few_heads_softmax.cuh"
@@ -74,23 +80,35 @@
 
 namespace dsakit::cuda::sparse_mla {
 
-template <KvLayout kLayout>
+template <KvLayout kLayout, int kN = 16>
 struct FewHeadsFp8Config {
   static_assert(kLayout == KvLayout::kFp8Raw || kLayout == KvLayout::kFp8Scaled);
   static constexpr bool kScaled = kLayout == KvLayout::kFp8Scaled;  // the 656-byte layout
+  static_assert(kN == 16 || (kN == 32 && !kScaled), "32-head items: fp8-raw pools only");
+  using Softmax = FewHeadsSoftmax<kN>;
   using Row = PoolRow<kLayout>;
-  static constexpr int kHeads = FewHeadsSoftmax::kHeads;  // heads per CTA (wgmma N)
-  static constexpr int kBlock = 64;                // rows per block (wgmma M of Sᵀ, K of Oᵀ)
-  static constexpr int kStages = kScaled ? 4 : 5;  // as many buffers as fit
-  static constexpr int kRowChunks = Row::kBytes / 16;  // 36 | 41 chunks of 16 bytes a row
-  // An odd number of chunks (see the row order): 592 | 656.
-  static constexpr int kRowStride = kScaled ? Row::kBytes : Row::kBytes + 16;
+  static constexpr int kHeads = kN;    // heads a work item (wgmma N)
+  static constexpr int kAcc = kN / 2;  // accumulators a thread holds per M tile
+  static constexpr int kBlock = 64;    // rows per block (wgmma M of Sᵀ, K of Oᵀ)
+  // The row order (above): 32-head items keep the rows at their stored 576 bytes with swizzled
+  // chunks (two Q buffers of 36 KB leave room for four such buffers, not four of 592 bytes).
+  static constexpr bool kSwizzled = kN == 32;
+  // 32-head items: one buffer (not two) of the raw codes a consumer loads ahead of their widening
+  // in each product, for the registers Oᵀ takes.
+  static constexpr bool kLean = kN == 32;
+  // 32-head items: a token's two items in one CTA (H > 32) share the ring's rows (PairOrder).
+  static constexpr bool kShareRows = kN == 32;
+  static constexpr int kStages = kScaled || kSwizzled ? 4 : 5;  // as many buffers as fit
+  static constexpr int kRowChunks = Row::kBytes / 16;           // 36 | 41 chunks of 16 bytes a row
+  // An odd number of chunks (see the row order): 592 | 656; swizzled 576.
+  static constexpr int kRowStride = kScaled || kSwizzled ? Row::kBytes : Row::kBytes + 16;
   static constexpr int kStageBytes = kBlock * kRowStride;
   static constexpr int kGroups = kDimQk / 64;          // 9 column groups of 64 values (4 k16 steps)
   static constexpr int kCodeGroups = kScaled ? 8 : 9;  // those read as e4m3 codes
-  static constexpr int kTileBytes = kHeads * 128;      // [16][64] 16-bit
+  static constexpr int kTileBytes = kHeads * 128;      // [kN][64] 16-bit
   static constexpr int kPtTiles = kScaled ? 4 : 1;     // Pᵀ tiles a group (one per scale tile)
-  static_assert(kRowStride / 16 % 2 == 1 && kRowStride >= Row::kBytes);
+  static_assert((kSwizzled ? kRowStride / 16 % 8 == 4 : kRowStride / 16 % 2 == 1) &&
+                kRowStride >= Row::kBytes);
 
   static constexpr int kQBytes = kGroups * kTileBytes;  // one group's Q
   static constexpr int kQ = 0;                          // [2 groups]
@@ -100,23 +118,37 @@ struct FewHeadsFp8Config {
   static constexpr int kBarFull = kBars;                           // + 8 * stage
   static constexpr int kBarEmpty = kBars + 8 * kStages;            // + 8 * stage
   static constexpr int kBarQ = kBars + 16 * kStages;               // + 8 * group
-  static constexpr int kWarpHeads = kBarQ + 16;                    // f32 [2][4][16]
-  static constexpr int kWarpScales = kWarpHeads + 4 * 2 * 4 * 16;  // f32 [2][4 warps][4 tiles]
+  static constexpr int kWarpHeads = kBarQ + 16;                    // f32 [2][4][kN]
+  static constexpr int kWarpScales = kWarpHeads + 4 * 2 * 4 * kN;  // f32 [2][4 warps][4 tiles]
   static constexpr int kQShift = kWarpScales + 4 * 2 * 4 * 4;      // i32 [2]
   static constexpr int kQAmax = kQShift + 16;                      // u32 [2][4]
-  static constexpr int kSmemBytes = kQAmax + 32;
+  static constexpr int kTrueMax = kQAmax + 32;                     // f32 [2][kN] (kMaxInSmem)
+  static constexpr int kSmemBytes = kTrueMax + 4 * 2 * kN;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
   static_assert(kPt % 1024 == 0 && kRing % 16 == 0 && kBars % 8 == 0);
   // Named barriers of group b's 128 threads: its head maxima and sums (1 + b), its Pᵀ (3 + b),
   // its |Q| maximum (5 + b, q_f16_shift).
   static constexpr int kSyncHeads = 1, kSyncPt = 3, kSyncQ = 5;
+  // setmaxnreg's split: 32-head items hold Oᵀ in 128 registers a consumer thread.
+  static constexpr int kConsumerRegs = kN == 32 ? 224 : Sm90Warps::kConsumerRegs;
+  static constexpr int kProducerRegs = kN == 32 ? 56 : Sm90Warps::kProducerRegs;
+
+  // Buffer row of M index m: bits 0 and 2 swapped (odd strides), m itself (swizzled).
+  __device__ static int row_of(int m) {
+    return kSwizzled ? m : (m & ~5) | ((m & 1) << 2) | ((m >> 2) & 1);
+  }
+  // Where chunk c of buffer row j sits in the row: c ^ ((j >> 1) & 3) swizzled, else c.
+  __device__ static int chunk_of(int j, int c) { return kSwizzled ? c ^ ((j >> 1) & 3) : c; }
 };
 
 // The ring's order of a CTA's two work items' blocks (item i has n[i] blocks of 64 slots):
 // alternating, item 0's block b at ring index 2b and item 1's at 2b + 1, while both have blocks;
-// then the longer item's in order. Consumer group i takes item i's blocks.
+// then the longer item's in order. Consumer group i takes item i's blocks. Shared rows (`shared`,
+// set by pair_work<kHeads, true> only: the two items are one token's head groups): block b at ring
+// index b for both groups (shared_index / shared_at), each buffer released by both.
 struct PairOrder {
   int n[2];
+  bool shared = false;
   __device__ __forceinline__ int both() const { return min(n[0], n[1]); }
   __device__ __forceinline__ int total() const { return n[0] + n[1]; }
   // Ring index of item `item`'s block b.
@@ -129,10 +161,27 @@ struct PairOrder {
     item = i < 2 * m ? i & 1 : (n[0] > n[1] ? 0 : 1);
     b = i < 2 * m ? i >> 1 : i - m;
   }
+  // The same with shared rows where kShareRows (then a ring of n[0] blocks where `shared`).
+  template <bool kShareRows>
+  __device__ __forceinline__ int shared_total() const {
+    return kShareRows && shared ? n[0] : total();
+  }
+  template <bool kShareRows>
+  __device__ __forceinline__ int shared_index(int item, int b) const {
+    return kShareRows && shared ? b : index(item, b);
+  }
+  template <bool kShareRows>
+  __device__ __forceinline__ void shared_at(int i, int& item, int& b) const {
+    if (kShareRows && shared) {
+      item = 0, b = i;
+    } else {
+      at(i, item, b);
+    }
+  }
 };
 
-// Work items of 16 heads (num_tokens · ceil(H / 16), cta_work's order) in pairs: CTA c takes
-// items 2c and 2c + 1 (the second past the last item: none, 0 blocks).
+// Work items of kHeads heads (num_tokens · ceil(H / kHeads), cta_work's order) in pairs: CTA c
+// takes items 2c and 2c + 1 (the second past the last item: none, 0 blocks).
 struct PairWork {
   CtaWork item[2];
   bool has_second;
@@ -144,8 +193,9 @@ struct PairWork {
   }
   __device__ __forceinline__ int blocks_of(int g) const { return g == 0 ? order.n[0] : order.n[1]; }
 };
+// kShareRows: two items of one token (H > kHeads) share the ring's rows (PairOrder::shared).
+template <int kHeads, bool kShareRows = false>
 __device__ __forceinline__ PairWork pair_work(const SparseMlaParams& p) {
-  constexpr int kHeads = FewHeadsSoftmax::kHeads;
   const unsigned num_items = unsigned(p.num_tokens) * unsigned((p.num_heads + kHeads - 1) / kHeads);
   PairWork w;
   w.has_second = 2 * blockIdx.x + 1 < num_items;
@@ -154,62 +204,73 @@ __device__ __forceinline__ PairWork pair_work(const SparseMlaParams& p) {
   if (!w.has_second) w.item[1].num_slots = 0;
 #pragma unroll
   for (int i = 0; i < 2; ++i) w.order.n[i] = w.item[i].num_blocks();
+  if constexpr (kShareRows) w.order.shared = w.has_second && w.item[0].t == w.item[1].t;
   return w;
 }
 
-// Buffer row of M index m: bits 0 and 2 swapped (the row order above).
-__device__ __forceinline__ int fp8_row_of(int m) {
-  return (m & ~5) | ((m & 1) << 2) | ((m >> 2) & 1);
-}
-
-// Q of heads [head0, head0 + 16) as the Sᵀ B operand, scaled by 2^-shift (load_q_f16's rule: the
+// Q of heads [head0, head0 + kN) as the Sᵀ B operand, scaled by 2^-shift (load_q_f16's rule: the
 // largest finite |q| of the item lands in [2^14, 2^15)), columns in the permuted order: f16, but
-// the 656-byte layout's rope tile bf16. Thread wtid of a consumer group's 128 takes head wtid / 8
-// and values [8 (wtid % 8), + 8) of every column group; `sync` is the group's named barrier for
-// the maximum. Writes shift to *q_shift and arrives on bar_q.
-template <KvLayout kLayout>
+// the 656-byte layout's rope tile bf16. Thread wtid of a consumer group's 128 takes heads
+// wtid / 8 + 16 i (i < kN / 16) and values [8 (wtid % 8), + 8) of every column group; `sync` is the
+// group's named barrier for the maximum. Writes shift to *q_shift and arrives on bar_q.
+template <KvLayout kLayout, int kN>
 __device__ __forceinline__ void load_q_permuted(const SparseMlaParams& p, int64_t t, int head0,
                                                 uint32_t q_tiles, uint32_t* amax_scratch,
                                                 int* q_shift, uint32_t bar_q, int sync, int wtid) {
-  using F = FewHeadsFp8Config<kLayout>;
-  const int h = wtid / 8, c8 = wtid % 8, head = head0 + h;
-  const bool ok = head < p.num_heads;
-  const int64_t hh = ok ? head : 0;
-  const bf16_t* latent = p.q_abs + t * p.q_abs_token_stride + hh * p.q_abs_head_stride + 8 * c8;
-  const bf16_t* rope = p.q_pe + t * p.q_pe_token_stride + hh * p.q_pe_head_stride + 8 * c8;
-  // Values [8 c8, + 8) of column group u (read twice: for the maximum, then to convert; the
-  // second read hits L1).
-  const auto load = [&](int u) {
-    return ok ? __ldg(reinterpret_cast<const uint4*>(u < F::kGroups - 1 ? latent + 64 * u : rope))
-              : make_uint4(0, 0, 0, 0);
+  using F = FewHeadsFp8Config<kLayout, kN>;
+  constexpr int kHeadSets = kN / 16;
+  const int c8 = wtid % 8;
+  bool ok[kHeadSets];
+  const bf16_t* latent[kHeadSets];
+  const bf16_t* rope[kHeadSets];
+#pragma unroll
+  for (int i = 0; i < kHeadSets; ++i) {
+    const int head = head0 + wtid / 8 + 16 * i;
+    ok[i] = head < p.num_heads;
+    const int64_t hh = ok[i] ? head : 0;
+    latent[i] = p.q_abs + t * p.q_abs_token_stride + hh * p.q_abs_head_stride + 8 * c8;
+    rope[i] = p.q_pe + t * p.q_pe_token_stride + hh * p.q_pe_head_stride + 8 * c8;
+  }
+  // Values [8 c8, + 8) of column group u of head set i's head (read twice: for the maximum, then
+  // to convert; the second read hits L1).
+  const auto load = [&](int i, int u) {
+    return ok[i] ? __ldg(reinterpret_cast<const uint4*>(u < F::kGroups - 1 ? latent[i] + 64 * u
+                                                                           : rope[i]))
+                 : make_uint4(0, 0, 0, 0);
   };
   uint32_t m2 = 0;
 #pragma unroll
-  for (int u = 0; u < F::kGroups; ++u) fold_finite_max_bf16(m2, load(u));
+  for (int i = 0; i < kHeadSets; ++i)
+#pragma unroll
+    for (int u = 0; u < F::kGroups; ++u) fold_finite_max_bf16(m2, load(i, u));
   const int shift = q_f16_shift(m2, amax_scratch, q_shift, wtid, sync);
   const float down = __int_as_float((127 - shift) << 23);  // 2^-shift
 #pragma unroll
-  for (int u = 0; u < F::kGroups; ++u) {
-    const uint4 v = load(u);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    const bool bf16_rope = F::kScaled && u == F::kGroups - 1;
+  for (int hs = 0; hs < kHeadSets; ++hs)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t w = words[i];
-      const float lo = __uint_as_float(w << 16) * down,
-                  hi = __uint_as_float(w & 0xffff0000u) * down;
-      // Codes: values 8 c8 + 2i, + 1 of a group are (q, s, e) = (c8 / 2, 2 (c8 % 2) + i / 2,
-      // 2 (i % 2)): logical k = 16 s + 2q + 8 (i % 2). The 656-byte rope: chunk c8 = q + 4h, word
-      // e = i: k = 16 (2h + i / 2) + 2q + 8 (i % 2).
-      const int k = bf16_rope ? 16 * (2 * (c8 / 4) + i / 2) + 2 * (c8 % 4) + 8 * (i % 2)
-                              : 16 * (2 * (c8 % 2) + i / 2) + 2 * (c8 / 2) + 8 * (i % 2);
-      const uint32_t pair = bf16_rope ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi);
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_tiles + u * F::kTileBytes +
-                                                     sm90::swizzled_chunk(h, k / 8) + 2 * (k % 8)),
-                   "r"(pair)
-                   : "memory");
+    for (int u = 0; u < F::kGroups; ++u) {
+      const int h = wtid / 8 + 16 * hs;  // the head's row of the tiles
+      const uint4 v = load(hs, u);
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+      const bool bf16_rope = F::kScaled && u == F::kGroups - 1;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t w = words[i];
+        const float lo = __uint_as_float(w << 16) * down,
+                    hi = __uint_as_float(w & 0xffff0000u) * down;
+        // Codes: values 8 c8 + 2i, + 1 of a group are (q, s, e) = (c8 / 2, 2 (c8 % 2) + i / 2,
+        // 2 (i % 2)): logical k = 16 s + 2q + 8 (i % 2). The 656-byte rope: chunk c8 = q + 4h, word
+        // e = i: k = 16 (2h + i / 2) + 2q + 8 (i % 2).
+        const int k = bf16_rope ? 16 * (2 * (c8 / 4) + i / 2) + 2 * (c8 % 4) + 8 * (i % 2)
+                                : 16 * (2 * (c8 % 2) + i / 2) + 2 * (c8 / 2) + 8 * (i % 2);
+        const uint32_t pair = bf16_rope ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi);
+        asm volatile(
+            "st.shared.u32 [%0], %1;\n" ::"r"(q_tiles + u * F::kTileBytes +
+                                              sm90::swizzled_chunk(h, k / 8) + 2 * (k % 8)),
+            "r"(pair)
+            : "memory");
+      }
     }
-  }
   sm90::fence_proxy_async_shared();
   sm90::mbarrier_arrive(bar_q);
 }
@@ -232,13 +293,13 @@ __device__ __forceinline__ int32_t checked_location(const SparseMlaParams& p, in
 // step k, so a warp's copies of one step are consecutive chunks of one or two rows (a few
 // 128-byte lines, not one line per lane); lane r < 16 holds row 16w + r's location, loaded
 // kSlotsAhead ring indices before its block's copies (the load's latency behind theirs).
-template <KvLayout kLayout>
+template <KvLayout kLayout, int kN>
 __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, char* smem,
                                                    const PairWork& work, int wtid) {
-  using F = FewHeadsFp8Config<kLayout>;
+  using F = FewHeadsFp8Config<kLayout, kN>;
   constexpr int kChunks = 16 * F::kRowChunks;  // a warp's chunks of one block
   constexpr int kSlotsAhead = 3;
-  const int num_blocks = work.order.total();
+  const int num_blocks = work.order.template shared_total<F::kShareRows>();
   if (num_blocks == 0) return;
   const uint32_t base = smem_addr(smem);
   const int warp = wtid / 32, lane = wtid % 32;
@@ -246,7 +307,7 @@ __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, cha
   const auto row_slot = [&](int i) {
     if (i >= num_blocks) return -1;
     int item, b;
-    work.order.at(i, item, b);
+    work.order.template shared_at<F::kShareRows>(i, item, b);
     const int slot = b * F::kBlock + 16 * warp + lane % 16;
     // Two field selects, not item_of: a select of the whole item compiles to a longer loop here.
     const int num_slots = item == 0 ? work.item[0].num_slots : work.item[1].num_slots;
@@ -265,13 +326,17 @@ __device__ __forceinline__ void produce_raw_blocks(const SparseMlaParams& p, cha
     ahead[kSlotsAhead - 1] = row_slot(i + kSlotsAhead);
     sm90::mbarrier_wait(base + F::kBarEmpty + 8 * stage, ((i / F::kStages) & 1) ^ 1);
     const uint32_t rows = base + F::kRing + stage * F::kStageBytes + 16 * warp * F::kRowStride;
+    // kLean (a producer of 56 registers): the lane's chunk offsets derived in every block, not
+    // held across the loop.
+    int my_lane = lane;
+    if constexpr (F::kLean) asm volatile("" : "+r"(my_lane));
 #pragma unroll
     for (int k = 0; k < (kChunks + 31) / 32; ++k) {
-      const int f = 32 * k + lane, r = f / F::kRowChunks, c = f - r * F::kRowChunks;
+      const int f = 32 * k + my_lane, r = f / F::kRowChunks, c = f - r * F::kRowChunks;
       const int32_t row_loc = __shfl_sync(0xffffffffu, loc, r % 16);
       if (kChunks % 32 == 0 || f < kChunks)
-        cp_async_16(rows + r * F::kRowStride + 16 * c, pool_row<kLayout>(p, row_loc) + 16 * c,
-                    row_loc >= 0);
+        cp_async_16(rows + r * F::kRowStride + 16 * F::chunk_of(r, c),
+                    pool_row<kLayout>(p, row_loc) + 16 * c, row_loc >= 0);
     }
     sm90::cp_async_mbarrier_arrive(base + F::kBarFull + 8 * stage);
   }
@@ -291,18 +356,22 @@ __device__ __forceinline__ float pow2_inverse(uint32_t bits) {
 }
 
 // The keys-on-M kernels' start: thread 0 initializes a ring's kStages full / empty mbarriers
-// (bar_full / bar_empty + 8 · stage) and kQBars for Q (bar_q + 8 · i), 128 arrivals each; then the
-// producer (warpgroup 2) lowers its registers, runs produce() and gets false, and the consumers
-// raise theirs and get true. Each derives the CTA's work after the reallocation (a value held
-// across it is spilled).
-template <int kStages, int kQBars, typename Produce>
+// (bar_full / bar_empty + 8 · stage) and kQBars for Q (bar_q + 8 · i), 128 arrivals each (the
+// empty ones 256 where both consumer groups read every buffer: kShareRows and shared_rows());
+// then the producer (warpgroup 2) lowers its registers to kProducerRegs, runs produce() and gets
+// false, and the consumers raise theirs to kConsumerRegs and get true. Each derives the CTA's work
+// after the reallocation (a value held across it is spilled).
+template <int kStages, int kQBars, int kConsumerRegs = Sm90Warps::kConsumerRegs,
+          int kProducerRegs = Sm90Warps::kProducerRegs, bool kShareRows = false, typename Produce,
+          typename SharedRows>
 __device__ __forceinline__ bool start_keys_on_m_cta(uint32_t bar_full, uint32_t bar_empty,
                                                     uint32_t bar_q, int& wg, int& wtid,
-                                                    Produce&& produce) {
+                                                    Produce&& produce, SharedRows&& shared_rows) {
   if (threadIdx.x == 0) {
+    const uint32_t releases = kShareRows && shared_rows() ? 256 : 128;
     for (int s = 0; s < kStages; ++s) {
       sm90::mbarrier_init(bar_full + 8 * s, 128);
-      sm90::mbarrier_init(bar_empty + 8 * s, 128);
+      sm90::mbarrier_init(bar_empty + 8 * s, releases);
     }
     for (int i = 0; i < kQBars; ++i) sm90::mbarrier_init(bar_q + 8 * i, 128);
     sm90::fence_barrier_init();
@@ -310,30 +379,36 @@ __device__ __forceinline__ bool start_keys_on_m_cta(uint32_t bar_full, uint32_t 
   __syncthreads();
   wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   wtid = threadIdx.x % 128;
+  static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <=
+                Sm90Warps::kLaunchRegs * Sm90Warps::kThreads);
   if (wg == 2) {
-    sm90::setmaxnreg_dec<Sm90Warps::kProducerRegs>();
+    sm90::setmaxnreg_dec<kProducerRegs>();
     produce();
     return false;
   }
-  sm90::setmaxnreg_inc<Sm90Warps::kConsumerRegs>();
+  sm90::setmaxnreg_inc<kConsumerRegs>();
   return true;
 }
 
-template <KvLayout kLayout>
+template <KvLayout kLayout, int kN>
 __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     sparse_mla_sm90_few_heads_fp8_kernel(const __grid_constant__ SparseMlaParams p) {
-  using F = FewHeadsFp8Config<kLayout>;
+  using F = FewHeadsFp8Config<kLayout, kN>;
+  constexpr int kAcc = F::kAcc;
   constexpr sm90::Ab kAb = sm90::Ab::kF16;
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = smem_addr(smem);
   int wg, wtid;
-  if (!start_keys_on_m_cta<F::kStages, 2>(base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ,
-                                          wg, wtid, [&] {
-                                            const PairWork work = pair_work(p);
-                                            produce_raw_blocks<kLayout>(p, smem, work, wtid);
-                                          }))
+  constexpr bool kShare = F::kShareRows;
+  if (!start_keys_on_m_cta<F::kStages, 2, F::kConsumerRegs, F::kProducerRegs, kShare>(
+          base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ, wg, wtid,
+          [&] {
+            const PairWork work = pair_work<kN, kShare>(p);
+            produce_raw_blocks<kLayout, kN>(p, smem, work, wtid);
+          },
+          [&] { return pair_work<kN, kShare>(p).order.shared; }))
     return;
-  const PairWork pair = pair_work(p);
+  const PairWork pair = pair_work<kN, kShare>(p);
   if (wg == 1 && !pair.has_second) return;
 
   // ---- consumers: group wg takes every block of item wg ---------------------------------------
@@ -342,32 +417,40 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, q = lane % 4;
   const uint32_t q_tiles = base + F::kQ + wg * F::kQBytes;
   const uint32_t pt_tiles = base + F::kPt + wg * F::kPtTiles * F::kTileBytes;
-  float* warp_heads = reinterpret_cast<float*>(smem + F::kWarpHeads) + wg * 4 * F::kHeads;
+  float* warp_heads = reinterpret_cast<float*>(smem + F::kWarpHeads) + wg * 4 * kN;
   float* warp_scales = reinterpret_cast<float*>(smem + F::kWarpScales) + wg * 16;
   int* q_shift = reinterpret_cast<int*>(smem + F::kQShift) + wg;
   // fp8-raw: every stored value is code · k_scale, so k_scale multiplies S and O. 656-byte: the
   // tile scales enter Sᵀ per tile and Pᵀ per tile; O's tile t is kept in units of sigma[t] (bits).
   uint32_t sigma[4] = {1u << 23, 1u << 23, 1u << 23, 1u << 23};  // 2^-126: no scale read yet
   float scale_log2 = p.sm_scale * (F::kScaled ? 1.f : p.k_scale) * kLog2e;  // · 2^shift below
-  // Sᵀ: this thread's rows (M indices 16w + g + 8r) in the buffer, and their chunk 4u + q.
+  // Sᵀ: this thread's rows (M indices 16w + g + 8r) in the buffer, and their chunk 4u + q (at
+  // 4u + chunk_of(row, q): (row >> 1) & 3 is g / 2 for both rows).
   const int m_own[2] = {16 * warp + g, 16 * warp + g + 8};
-  const uint32_t s_row[2] = {uint32_t(fp8_row_of(m_own[0]) * F::kRowStride),
-                             uint32_t(fp8_row_of(m_own[1]) * F::kRowStride)};
-  // Oᵀ: keys 2q, 2q + 1, 2q + 8, 2q + 9 of a k16 step, at this thread's dims.
+  const uint32_t s_row[2] = {uint32_t(F::row_of(m_own[0]) * F::kRowStride),
+                             uint32_t(F::row_of(m_own[1]) * F::kRowStride)};
+  const uint32_t s_chunk = 16 * F::chunk_of(m_own[0], q);
+  // Oᵀ: keys 2q, 2q + 1, 2q + 8, 2q + 9 of a k16 step, at this thread's dims (swizzled: the
+  // chunk at chunk_of(row, dim_chunk), (row >> 1) & 3 being q for all four rows of every step).
   const int dim_chunk = 8 * warp + 4 * (g & 1) + g / 2;    // fp8-raw: dims [16 c, + 16)
   const int dim_word = (g & 3) + 16 * (g / 4) + 4 * warp;  // 656-byte: dims 128 t + [4 c', + 4)
   uint32_t v_off[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    v_off[i] = uint32_t(fp8_row_of(2 * q + (i & 1) + 8 * (i >> 1)) * F::kRowStride) +
-               (F::kScaled ? 4 * dim_word : 16 * dim_chunk);
+  for (int i = 0; i < 4; ++i) {
+    const int row = F::row_of(2 * q + (i & 1) + 8 * (i >> 1));
+    v_off[i] = uint32_t(row * F::kRowStride) +
+               (F::kScaled ? 4 * dim_word : 16 * F::chunk_of(row, dim_chunk));
+  }
   const uint64_t dq = sm90::smem_desc_sw128(q_tiles, 16, 1024);
   const uint64_t dp = sm90::smem_desc_sw128(pt_tiles, 16, 1024);
 
-  float o[8][8] = {};
-  float s[8];
+  float o[8][kAcc] = {};
+  float s[kAcc];
   float row_scale[2][4];  // 656-byte: this thread's two Sᵀ rows' tile scales
-  FewHeadsSoftmax softmax;
+  float* true_max = reinterpret_cast<float*>(smem + F::kTrueMax) + wg * kN;
+  const bool max_owner = warp == 0 && g == 0;  // writes lse (write_heads)
+  typename F::Softmax softmax;
+  if constexpr (F::Softmax::kMaxInSmem) F::Softmax::init_true_max(true_max, max_owner, q);
 
   // Column group u of K as A fragments of its four k16 steps, from the raw 16-byte chunks of the
   // thread's two rows (codes 64u + 16q + [0, 16)).
@@ -388,22 +471,25 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   const auto compute_s = [&](uint32_t buffer) {
     uint32_t as[2][4][4];
     uint4 raw[2][2];
-    float acc[F::kScaled ? 4 : 1][8];
+    float acc[F::kScaled ? 4 : 1][kAcc];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) raw[0][r] = sm90::ld_shared_u32x4(buffer + s_row[r] + 16 * q);
+    for (int r = 0; r < 2; ++r) raw[0][r] = sm90::ld_shared_u32x4(buffer + s_row[r] + s_chunk);
+    const auto load_raw = [&](int u) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        raw[F::kLean ? 0 : u % 2][r] = sm90::ld_shared_u32x4(buffer + s_row[r] + s_chunk + 64 * u);
+    };
 #pragma unroll
     for (int u = 0; u < F::kGroups; ++u) {
-      if (u + 1 < F::kCodeGroups)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          raw[(u + 1) % 2][r] = sm90::ld_shared_u32x4(buffer + s_row[r] + 16 * q + 64 * (u + 1));
+      if (!F::kLean && u + 1 < F::kCodeGroups) load_raw(u + 1);
       uint32_t(&a)[4][4] = as[u % 2];
       if (u >= 2) {
         sm90::wgmma_wait<1>();
         sm90::fence_operands(a);
       }
       if (u < F::kCodeGroups) {
-        widen_codes(raw[u % 2], a);
+        widen_codes(raw[F::kLean ? 0 : u % 2], a);
+        if (F::kLean && u + 1 < F::kCodeGroups) load_raw(u + 1);
       } else {
         // The 656-byte rope: word e of chunk q + 4h of row r is the pair of step 2h + e / 2 (a[r]
         // for even e, a[r + 2] for odd).
@@ -424,11 +510,11 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
       for (int st = 0; st < 4; ++st) {
         const uint64_t b = dq + uint64_t((u * F::kTileBytes + 32 * st) >> 4);
         if constexpr (!F::kScaled)
-          sm90::wgmma_m64n16k16_rs<kAb>(s, a[st], b, u > 0 || st > 0);
+          sm90::wgmma_m64nNk16_rs<kN, kAb>(s, a[st], b, u > 0 || st > 0);
         else if (u < F::kCodeGroups)
-          sm90::wgmma_m64n16k16_rs<kAb>(acc[u / 2], a[st], b, u % 2 > 0 || st > 0);
+          sm90::wgmma_m64nNk16_rs<kN, kAb>(acc[u / 2], a[st], b, u % 2 > 0 || st > 0);
         else
-          sm90::wgmma_m64n16k16_rs<sm90::Ab::kBf16>(s, a[st], b, st > 0);
+          sm90::wgmma_m64nNk16_rs<kN, sm90::Ab::kBf16>(s, a[st], b, st > 0);
       }
       sm90::wgmma_commit();
     }
@@ -441,7 +527,7 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
       for (int t = 0; t < 4; ++t) {
         sm90::fence_operands(acc[t]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = fmaf(acc[t][i], row_scale[i / 2 % 2][t], s[i]);
+        for (int i = 0; i < kAcc; ++i) s[i] = fmaf(acc[t][i], row_scale[i / 2 % 2][t], s[i]);
       }
     }
   };
@@ -475,9 +561,10 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     load_words(0, words[0]);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      if (ks + 1 < 4) load_words(ks + 1, words[(ks + 1) % 2]);
-      if (ks == 2) sm90::mbarrier_arrive(empty_bar);
-      const uint32_t(&w)[4][4] = words[ks % 2];
+      if (F::kLean && ks > 0) load_words(ks, words[0]);
+      if (!F::kLean && ks + 1 < 4) load_words(ks + 1, words[(ks + 1) % 2]);
+      if (ks == (F::kLean ? 3 : 2)) sm90::mbarrier_arrive(empty_bar);
+      const uint32_t(&w)[4][4] = words[F::kLean ? 0 : ks % 2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int batch = 2 * ks + half;
@@ -498,8 +585,8 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
         for (int i = 0; i < 4; ++i) {
           const int mt = 4 * half + i;
           const int pt = F::kScaled ? mt / 2 : 0;  // tile t's Pᵀ for M tiles 2t, 2t + 1
-          sm90::wgmma_m64n16k16_rs<kAb>(o[mt], a[i],
-                                        dp + uint64_t((pt * F::kTileBytes + 32 * ks) >> 4), 1);
+          sm90::wgmma_m64nNk16_rs<kN, kAb>(o[mt], a[i],
+                                           dp + uint64_t((pt * F::kTileBytes + 32 * ks) >> 4), 1);
         }
         sm90::wgmma_commit();
       }
@@ -512,9 +599,9 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   };
 
   if (my_blocks > 0) {  // while the producer fills the ring
-    load_q_permuted<kLayout>(p, work.t, work.head0, q_tiles,
-                             reinterpret_cast<uint32_t*>(smem + F::kQAmax) + 4 * wg, q_shift,
-                             base + F::kBarQ + 8 * wg, F::kSyncQ + wg, wtid);
+    load_q_permuted<kLayout, kN>(p, work.t, work.head0, q_tiles,
+                                 reinterpret_cast<uint32_t*>(smem + F::kQAmax) + 4 * wg, q_shift,
+                                 base + F::kBarQ + 8 * wg, F::kSyncQ + wg, wtid);
     sm90::mbarrier_wait(base + F::kBarQ + 8 * wg, 0);
     scale_log2 *= __int_as_float((127 + *q_shift) << 23);
   }
@@ -522,14 +609,15 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   // a block ahead (next), checked as their block starts.
   const auto row_slots = [&](int blk, int32_t(&v)[2]) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) v[r] = slot_value(work, blk * F::kBlock + fp8_row_of(m_own[r]));
+    for (int r = 0; r < 2; ++r) v[r] = slot_value(work, blk * F::kBlock + F::row_of(m_own[r]));
   };
   int32_t next[2] = {-1, -1};
   if (my_blocks > 0) row_slots(0, next);
 
 #pragma unroll 1
   for (int blk = 0; blk < my_blocks; ++blk) {
-    const int i = pair.order.index(wg, blk), stage = i % F::kStages;  // its ring index
+    const int i = pair.order.template shared_index<kShare>(wg, blk);  // its ring index
+    const int stage = i % F::kStages;
     const uint32_t buffer = base + F::kRing + stage * F::kStageBytes;
     bool ok[2];
 #pragma unroll
@@ -567,7 +655,7 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
         for (int t = 0; t < 4; ++t) warp_scales[4 * warp + t] = scale_max[t];
     }
     sm90::named_barrier_sync(F::kSyncHeads + wg, 128);
-    softmax.finish_block(s, o, warp_heads, scale_log2, q);
+    softmax.finish_block(s, o, warp_heads, scale_log2, q, true_max, max_owner);
     if constexpr (F::kScaled)
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
@@ -602,8 +690,13 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
                                   pack_f16x2(s[6] * r1, s[7] * r1));
         }
       } else {
-        sm90::stmatrix_x4_trans(at, pack_f16x2(s[0], s[1]), pack_f16x2(s[2], s[3]),
-                                pack_f16x2(s[4], s[5]), pack_f16x2(s[6], s[7]));
+        // Heads [16 i, + 16) from s[8 i, + 8) (j = 2 i + mi / 2).
+#pragma unroll
+        for (int i = 0; i < kN / 16; ++i)
+          sm90::stmatrix_x4_trans(at + 16 * i * 128, pack_f16x2(s[8 * i], s[8 * i + 1]),
+                                  pack_f16x2(s[8 * i + 2], s[8 * i + 3]),
+                                  pack_f16x2(s[8 * i + 4], s[8 * i + 5]),
+                                  pack_f16x2(s[8 * i + 6], s[8 * i + 7]));
       }
     }
     sm90::fence_proxy_async_shared();
@@ -616,15 +709,16 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   }
 
   // ---- epilogue: normalize, write ------------------------------------------------------------
-  float total[4], factor[4], offset[4], maxima[4];
+  constexpr int kHi = F::Softmax::kHi;
+  float total[kHi], factor[kHi], offset[kHi], maxima[kHi];
   if constexpr (F::kScaled)
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) o[mt][i] *= __uint_as_float(sigma[mt / 2]);
+      for (int i = 0; i < kAcc; ++i) o[mt][i] *= __uint_as_float(sigma[mt / 2]);
   const float value_scale = F::kScaled ? 1.f : p.k_scale;
   softmax.finish_alone(warp_heads, warp, g, q, F::kSyncHeads + wg, value_scale, total, factor,
-                       offset, maxima);
+                       offset, maxima, true_max);
   write_heads(p, work, warp, g, q, total, offset, maxima, [&](int hi, int64_t th) {
     // packed[mt]: the dims of (mt, r = 0, 1), value accumulator 4 (hi / 2) + 2 r + hi % 2 of mt.
     uint32_t packed[8];
@@ -652,14 +746,14 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   });
 }
 
-// FP8 pools: work items of 16 heads (one per token at H <= 16), two per CTA (pair_work).
-template <KvLayout kLayout>
+// FP8 pools: work items of kN heads (one per token at H <= kN), two per CTA (pair_work).
+template <KvLayout kLayout, int kN>
 cudaError_t run_sparse_mla_sm90_few_heads_fp8(const SparseMlaParams& params, cudaStream_t stream) {
-  using F = FewHeadsFp8Config<kLayout>;
+  using F = FewHeadsFp8Config<kLayout, kN>;
   if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
   const int64_t num_items = params.num_tokens * ((params.num_heads + F::kHeads - 1) / F::kHeads);
   if (num_items > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;
-  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_fp8_kernel<kLayout>>(
+  return launch_sm90_sparse<&sparse_mla_sm90_few_heads_fp8_kernel<kLayout, kN>>(
       params, (num_items + 1) / 2, F::kSmemBytes, stream);
 }
 

@@ -51,9 +51,9 @@ namespace dsakit::cuda::sparse_mla {
 
 struct FewHeadsConfig {
   using C = Sm90Config;
-  static constexpr int kHeads = FewHeadsSoftmax::kHeads;   // heads per CTA (wgmma N); H <= kHeads
-  static constexpr int kQTileBytes = kHeads * 128;         // a Q or Pᵀ tile: 16 rows x 128 bytes
-  static constexpr int kQBytes = C::kTiles * kQTileBytes;  // one item's Q
+  static constexpr int kHeads = FewHeadsSoftmax<>::kHeads;  // heads per CTA (wgmma N); H <= kHeads
+  static constexpr int kQTileBytes = kHeads * 128;          // a Q or Pᵀ tile: 16 rows x 128 bytes
+  static constexpr int kQBytes = C::kTiles * kQTileBytes;   // one item's Q
   // A ring stage holds a part of a block: kPartTiles column tiles (part j: tiles 3j .. 3j + 2).
   static constexpr int kPartTiles = 3;
   static constexpr int kParts = C::kTiles / kPartTiles;
@@ -177,13 +177,15 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = smem_addr(smem);
   int wg, wtid;
-  if (!start_keys_on_m_cta<F::kStages, 2>(base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ,
-                                          wg, wtid, [&] {
-                                            const PairWork work = pair_work(p);
-                                            produce_bf16_parts(p, base, work, wtid);
-                                          }))
+  if (!start_keys_on_m_cta<F::kStages, 2>(
+          base + F::kBarFull, base + F::kBarEmpty, base + F::kBarQ, wg, wtid,
+          [&] {
+            const PairWork work = pair_work<F::kHeads>(p);
+            produce_bf16_parts(p, base, work, wtid);
+          },
+          [] { return false; }))
     return;
-  const PairWork pair = pair_work(p);
+  const PairWork pair = pair_work<F::kHeads>(p);
   if (wg == 1 && !pair.has_second) return;
 
   // ---- consumers: group wg takes every block of item wg ---------------------------------------
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
 
   float o[8][8] = {};
   float s[8];
-  FewHeadsSoftmax softmax;
+  FewHeadsSoftmax<> softmax;
 
   // The slot values of this thread's two Sᵀ rows (keys 16w + g, + 8) of block blk: loaded a
   // block ahead (next), checked as their block starts.
@@ -287,14 +289,15 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   });
 }
 
-template <KvLayout kLayout>
+template <int kHeads, KvLayout kLayout>
 cudaError_t run_sparse_mla_sm90_few_heads(const SparseMlaParams& params, cudaStream_t stream) {
   using F = FewHeadsConfig;
-  // FP8 pools: the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh), 16
-  // heads a CTA at any H.
+  // FP8 pools: the codes widened in the consumers' registers (few_heads_fp8_kernel.cuh), items
+  // of kHeads heads at any H.
   if constexpr (kLayout != KvLayout::kBf16) {
-    return run_sparse_mla_sm90_few_heads_fp8<kLayout>(params, stream);
+    return run_sparse_mla_sm90_few_heads_fp8<kLayout, kHeads>(params, stream);
   } else {
+    static_assert(kHeads == F::kHeads, "bf16 pools: 16-head items");
     if (params.num_tokens == 0 || params.num_heads == 0) return cudaSuccess;
     if (params.num_heads > F::kHeads) return cudaErrorInvalidValue;
     // Two tokens a CTA (pair_work; H <= 16: one work item a token).
