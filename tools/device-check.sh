@@ -4,9 +4,9 @@
 #   2. the whole GoogleTest suite against the cuda backend (DSAKIT_TEST_BACKENDS, default cuda),
 #   3. compute-sanitizer memcheck / racecheck / initcheck on the CUDA test binaries,
 #   4. `dsakit run --device cuda --verify` over both presets x three layouts x
-#      {fresh, chunked, prefix-hit, decode}, with --fp8-weights on both FP8 layouts, with
-#      --sparse-form masked-mha on both presets, and in cost mode with the auto sparse form (a
-#      profile calibrated in the call),
+#      {fresh, chunked, prefix-hit, decode}, fp8-raw at 32 heads, with --fp8-weights on both FP8
+#      layouts, with --sparse-form masked-mha on both presets, and in cost mode with the auto
+#      sparse form (a profile calibrated in the call),
 #   5. the CUDA benchmark and the PyTorch SDPA peer,
 # then prints a pass/fail table last. Logs land in $OUT (or out/). The golden peer files are read
 # from tests/data/peers (in the tree; DSAKIT_PEERS_DIR overrides).
@@ -135,6 +135,16 @@ if [ "${result[build]}" = PASS ] && want verify; then
         grep -E "^verify" "$out/verify.log" | tail -1 | sed "s/^/  $key /"
       done
     done
+  done
+  # fp8-raw pools at 32 heads, which the layer reads directly (32-head work items): chunked over
+  # a prefix, then decode.
+  for model in "deepseek-v3.2 4" "glm-5 2"; do
+    set -- $model
+    key="verify:$1:tp$2:fp8-raw:prefix-decode"
+    if timeout 120 build-dev/bin/dsakit run --device cuda --model "$1" --tp "$2" --kv fp8-raw \
+         --prompts 3000,900 --prefix 2000,300 --chunk 1024 --decode-steps 2 --verify \
+         --verify-tokens 24 >>"$out/verify.log" 2>&1; then result[$key]=PASS
+    else result[$key]=FAIL; fi
   done
   # H = 128 / 64 (no tensor parallelism) once each.
   for model in deepseek-v3.2 glm-5; do

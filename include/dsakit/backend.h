@@ -39,7 +39,7 @@ struct Capabilities {
   // (docs/layer.md#staged-rows).
   bool sparse_prefers_bf16_rows = false;
   // ... except fp8-raw pools at up to this many heads, which sparse_mla reads directly at least as
-  // fast (CUDA sm_90: 16, the keys-on-M kernel widens the codes in its consumers' registers): the
+  // fast (CUDA sm_90: 32, the keys-on-M kernel widens the codes in its consumers' registers): the
   // layer reads those pools as they are.
   int sparse_reads_fp8_raw_heads = 0;
 };

@@ -42,7 +42,7 @@ Capabilities cuda_capabilities(int sm_arch) {
   c.fp8_up_proj = sm_arch == 90;  // cuBLASLt's block-scaled FP8 GEMM: Hopper only
   c.intermediate_dtype = DType::kBF16;
   c.sparse_prefers_bf16_rows = sm_arch == 90;  // the wgmma kernels (docs/layer.md#staged-rows)
-  c.sparse_reads_fp8_raw_heads = sm_arch == 90 ? cuda::attention::kSparseMlaSm90FewHeads : 0;
+  c.sparse_reads_fp8_raw_heads = sm_arch == 90 ? cuda::attention::kSparseMlaSm90FewHeadsFp8 : 0;
   // Every figure below comes from the one table of compiled instances.
 #define DSAKIT_X(kNope, kRope, kV) c.dense_head_dims.push_back({kNope, kRope, kV});
   DSAKIT_DENSE_MHA_SM80_INSTANCES(DSAKIT_X)

@@ -649,16 +649,18 @@ TEST_P(LayerTest, StagedRowsByDefaultWhereTheyPay) {
   EXPECT_EQ(h.layer->workspace_bytes(prefill, AttentionPath::kSparseMla), pool_bytes + copy);
   EXPECT_EQ(auto_bytes, pool_bytes + (h.be->capabilities().sparse_prefers_bf16_rows ? copy : 0));
 
-  // An fp8-raw pool (k_scale a power of two: bf16 holds its values) at these 16 heads.
-  {
-    Harness raw(c, GetParam(), KvLayout::kFp8Raw, 16, len, seed, DispatchMode::kSparse);
+  // An fp8-raw pool (k_scale a power of two: bf16 holds its values) at these 16 heads and at 32.
+  for (const int tp : {8, 4}) {
+    const ModelConfig rc = small_topk(ModelConfig::preset("deepseek-v3.2").with_tp(tp), 64);
+    SCOPED_TRACE(::testing::Message() << rc.num_heads << " heads");
+    Harness raw(rc, GetParam(), KvLayout::kFp8Raw, 16, len, seed, DispatchMode::kSparse);
     use_sparse_rows(raw, ScalePolicy::kPow2, 0.5f, SparseRows::kAuto);
     RunOutputs raw_out;
     run_schedule(*raw.layer, raw.tables, raw.tokens, {raw.zeros(), prompt, 0, ForwardMode::kExtend},
                  raw_out);
     const Capabilities& caps = raw.be->capabilities();
     EXPECT_EQ(has_stage(raw_out.steps[0], "stage_rows"),
-              caps.sparse_prefers_bf16_rows && c.num_heads > caps.sparse_reads_fp8_raw_heads);
+              caps.sparse_prefers_bf16_rows && rc.num_heads > caps.sparse_reads_fp8_raw_heads);
     expect_matches_reference(raw, raw_out, len);
   }
 

@@ -49,7 +49,8 @@ bool dispatch_sparse_mla_sm90(KvLayout layout, F&& f) {
 
 // The keys-on-M wgmma kernel: its work item on bf16 pools (the largest H it runs there), and
 // the largest H it runs by default on FP8 pools (against the 64-head kernel, docs/perf.md run
-// AA4: ahead at 32 heads on both FP8 layouts, far behind at 64).
+// AA4: ahead at 32 heads on both FP8 layouts, far behind at 64), up to which the layer reads
+// fp8-raw pools without a bf16 copy (Capabilities::sparse_reads_fp8_raw_heads, run AL1).
 inline constexpr int kSparseMlaSm90FewHeads = 16;
 inline constexpr int kSparseMlaSm90FewHeadsFp8 = 32;
 // Whether the keys-on-M kernel runs H heads on this layout when forced (16-head items): the FP8
