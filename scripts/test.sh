@@ -29,8 +29,8 @@ step "tests (release)"
 ctest --test-dir build --output-on-failure -j "$jobs"
 
 # The sanitizer builds use clang: GCC's libgomp is not TSan-aware (clang's -fopenmp links LLVM's
-# libomp, and archer tells TSan about OpenMP's synchronisation; docs/reliability.md), and clang
-# builds the ASan + UBSan tree in about half GCC's time.
+# libomp, and archer tells TSan about OpenMP's synchronisation), and clang builds the ASan + UBSan
+# tree faster (docs/reliability.md).
 clang_cxx=$(command -v clang++ || command -v clang++-14)
 
 step "sanitizer build (clang, address,undefined; host code only)"
