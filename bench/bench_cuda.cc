@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/issue_rate.h"
 #include "bench/row_gather.h"
 #include "dsakit/driver.h"
 #include "dsakit/error.h"
@@ -752,6 +753,7 @@ std::vector<Row> bench_layer(cuda::CudaBackend& be, const ModelConfig& c, int64_
 int main(int argc, char** argv) {
   std::string json_path;
   bool quick = false, sparse = false, indexer = false, dense = false, layer = false;
+  bool issue_rates = false;
   std::vector<KvLayout> sparse_layouts = {KvLayout::kBf16, KvLayout::kFp8Scaled, KvLayout::kFp8Raw};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
@@ -766,6 +768,8 @@ int main(int argc, char** argv) {
       dense = true;
     else if (!std::strcmp(argv[i], "--layer"))
       layer = true;
+    else if (!std::strcmp(argv[i], "--issue-rates"))
+      issue_rates = true;
     else if (!std::strcmp(argv[i], "--wgmma-only"))
       g_time_mma_sync = false;
     else if (!std::strcmp(argv[i], "--one-pool"))
@@ -788,12 +792,14 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: dsakit_bench_cuda [--json FILE] [--quick] [--sparse] [--indexer] "
-                   "[--dense] [--layer] [--wgmma-only] [--kv bf16|fp8|fp8-raw] [--one-pool] "
-                   "[--filter REGEX]\n"
+                   "[--dense] [--layer] [--issue-rates] [--wgmma-only] [--kv bf16|fp8|fp8-raw] "
+                   "[--one-pool] [--filter REGEX]\n"
                    "  --sparse: only the sparse MLA kernels, every compiled kernel per shape\n"
                    "  --dense: only the dense MHA kernels, every compiled kernel per shape\n"
                    "  --layer: only the whole-layer rows (dsakit's layer, end to end)\n"
                    "  --indexer: only the indexer's logits kernels, top-k and indexer_topk\n"
+                   "  --issue-rates: warp instructions an SM issues per clock of the widening\n"
+                   "    conversion and the ALU instructions beside it (bench/issue_rate.cu)\n"
                    "  --wgmma-only: with --sparse / --dense, time the sm90 kernels alone\n"
                    "  --kv: with --sparse, one pool layout instead of all three\n"
                    "  --one-pool: with --sparse, every launch reads one pool (shapes labelled\n"
@@ -809,7 +815,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "dsakit_bench_cuda: no GPU visible\n");
       return 2;
     }
-    const bool kernels_only = sparse || indexer || dense;  // no stage or layer rows
+    const bool kernels_only = sparse || indexer || dense || issue_rates;  // no stage or layer rows
     const bool stages = !kernels_only && !layer;
     cuda::CudaBackend be(0);
     const Backend::Ceilings ceil = be.measure_ceilings();
@@ -908,9 +914,29 @@ int main(int argc, char** argv) {
     }
     fmt::print("device {}  ceilings: copy {:.0f} GB/s, cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
                be.capabilities().device_name, ceil.copy_gbs, ceil.gemm_tflops);
+    nlohmann::json j;
+    if (issue_rates) {
+      int num_sms = 0;
+      DSAKIT_CHECK(
+          cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess,
+          kBackend, "multiprocessor count");
+      fmt::print(
+          "{:<28} {:>12} {:>10} {:>10}  (warp instructions per SM per clock, one CTA an SM)\n",
+          "issue rate", "median", "min", "max");
+      for (bench::IssueOp op : bench::kIssueOps) {
+        std::vector<double> per_sm;
+        const cudaError_t err = bench::measure_issue_rate(op, num_sms, per_sm, be.stream());
+        DSAKIT_CHECK(err == cudaSuccess && !per_sm.empty(), kBackend, "issue rate of ",
+                     bench::issue_op_name(op), ": ", cudaGetErrorString(err));
+        std::sort(per_sm.begin(), per_sm.end());
+        const double median = per_sm[per_sm.size() / 2];
+        fmt::print("{:<28} {:>12.3f} {:>10.3f} {:>10.3f}\n", bench::issue_op_name(op), median,
+                   per_sm.front(), per_sm.back());
+        j["issue_rates"][bench::issue_op_name(op)] = median;
+      }
+    }
     fmt::print("{:<34} {:<18} {:>9} {:>9} {:>7} {:>9} {:>7} {:>9}\n", "shape", "stage", "ms",
                "TFLOP/s", "%gemm", "GB/s", "%copy", "host ms");
-    nlohmann::json j;
     j["device"] = be.capabilities().device_name;
     j["copy_gbs"] = ceil.copy_gbs;
     j["gemm_tflops"] = ceil.gemm_tflops;

@@ -14,7 +14,9 @@
 #      (DSAKIT_BENCH_MODELS, DSAKIT_PROFILE_IN, DSAKIT_LAYERBENCH_ARGS pass through).
 #   7. (explicit only) `profile`: ncu per-kernel times of a short-prompt call on both paths.
 #   8. (explicit only) `sparsebench`: `dsakit_bench_cuda --sparse` (every compiled sparse MLA
-#      kernel per shape and the row-gather bound) into $OUT/bench_sparse.{txt,json}.
+#      kernel per shape and the row-gather bound) into $OUT/bench_sparse.{txt,json}, then
+#      `--issue-rates` (the widening conversion's and ALU instructions' rates an SM) into
+#      $OUT/issue_rates.{txt,json}.
 #   9. (explicit only) `indexerbench`: `dsakit_bench_cuda --indexer` (each logits kernel, top-k,
 #      indexer_topk at 4K-64K tokens) and the torch.topk peer (bench/peer_topk.py) in the same
 #      call, into $OUT/bench_indexer.{txt,json} and $OUT/peer_topk.{txt,json}.
@@ -218,6 +220,10 @@ if [ "${result[build]}" = PASS ] && explicit sparsebench; then
        >"$out/bench_sparse.txt" 2>"$out/bench_sparse.err"; then result[sparsebench]=PASS
   else result[sparsebench]=FAIL; tail -5 "$out/bench_sparse.err"; fi
   cat "$out/bench_sparse.txt"
+  if timeout 60 build-dev/bench/dsakit_bench_cuda --issue-rates --json "$out/issue_rates.json" \
+       >"$out/issue_rates.txt" 2>&1; then result[issuerates]=PASS
+  else result[issuerates]=FAIL; fi
+  cat "$out/issue_rates.txt"
 fi
 
 if [ "${result[build]}" = PASS ] && explicit indexerbench; then
@@ -296,7 +302,7 @@ note "done"
 # The device tool returns at most 8 files: pack everything into one archive and keep only the
 # archive and the JSON results next to it.
 (cd "$out" && tar -czf logs.tgz --exclude=logs.tgz ./* 2>/dev/null &&
-  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json ! -name ncu_summary.txt ! -name bench_sparse.json ! -name bench_indexer.json \
+  find . -maxdepth 1 -type f ! -name logs.tgz ! -name profile.json ! -name bench_layer.json ! -name ncu_summary.txt ! -name bench_sparse.json ! -name bench_indexer.json ! -name issue_rates.json \
     -delete)
 echo
 printf '%-44s %s\n' CHECK RESULT
