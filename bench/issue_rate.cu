@@ -4,8 +4,8 @@
 // rates turn a kernel's SASS census per block into a floor (docs/perf.md).
 //
 // One CTA per SM (its dynamic shared memory keeps a second one off), 16 warps, each thread
-// kChains independent chains advanced by the instruction kUnroll times an iteration, so 32
-// instructions of a warp are independent of each other between two of a chain; the asm
+// kChains independent chains advanced by the instruction kUnroll times an iteration (32
+// instructions an iteration, kChains - 1 independent ones between two steps of a chain); the asm
 // statements keep each as exactly one PTX instruction on run-time operands (nothing to fold).
 // Thread 0 reads the SM's clock64 after a barrier on each side of the loop.
 #include <cuda_runtime.h>
