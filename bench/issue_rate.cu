@@ -10,8 +10,8 @@
 // Thread 0 reads the SM's clock64 after a barrier on each side of the loop.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 #include "bench/issue_rate.h"
@@ -72,53 +72,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
-template <IssueOp kOp>
-cudaError_t run(int num_sms, int iters, uint32_t* sink, long long* cycles, cudaStream_t stream) {
-  cudaError_t err = cudaFuncSetAttribute(
-      issue_rate_kernel<kOp>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemOneCta));
-  if (err != cudaSuccess) return err;
-  issue_rate_kernel<kOp>
-      <<<num_sms, kThreads, kSmemOneCta, stream>>>(0x3c003c01u, 0x00013c00u, iters, sink, cycles);
-  return cudaGetLastError();
-}
+// The kernel and the name of each IssueOp, in the enum's order.
+using IssueRateKernel = void (*)(uint32_t, uint32_t, int, uint32_t*, long long*);
+struct IssueOpEntry {
+  IssueRateKernel kernel;
+  const char* name;
+};
+constexpr IssueOpEntry kEntries[] = {
+    {issue_rate_kernel<IssueOp::kCvtE4m3>, "cvt e4m3x2->f16x2 (F2FP)"},
+    {issue_rate_kernel<IssueOp::kFmul>, "FMUL"},
+    {issue_rate_kernel<IssueOp::kHfma2>, "HFMA2"},
+    {issue_rate_kernel<IssueOp::kPrmt>, "PRMT"},
+    {issue_rate_kernel<IssueOp::kLop3>, "LOP3"},
+    {issue_rate_kernel<IssueOp::kCvtLop3>, "F2FP + LOP3, half each"},
+};
+static_assert(std::size(kEntries) == std::size(kIssueOps));
 
 cudaError_t launch(IssueOp op, int num_sms, int iters, uint32_t* sink, long long* cycles,
                    cudaStream_t stream) {
-  switch (op) {
-    case IssueOp::kCvtE4m3:
-      return run<IssueOp::kCvtE4m3>(num_sms, iters, sink, cycles, stream);
-    case IssueOp::kFmul:
-      return run<IssueOp::kFmul>(num_sms, iters, sink, cycles, stream);
-    case IssueOp::kHfma2:
-      return run<IssueOp::kHfma2>(num_sms, iters, sink, cycles, stream);
-    case IssueOp::kPrmt:
-      return run<IssueOp::kPrmt>(num_sms, iters, sink, cycles, stream);
-    case IssueOp::kLop3:
-      return run<IssueOp::kLop3>(num_sms, iters, sink, cycles, stream);
-    case IssueOp::kCvtLop3:
-      return run<IssueOp::kCvtLop3>(num_sms, iters, sink, cycles, stream);
-  }
-  return cudaErrorInvalidValue;
+  const IssueRateKernel kernel = kEntries[int(op)].kernel;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemOneCta));
+  if (err != cudaSuccess) return err;
+  kernel<<<num_sms, kThreads, kSmemOneCta, stream>>>(0x3c003c01u, 0x00013c00u, iters, sink, cycles);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 const char* issue_op_name(IssueOp op) {
-  switch (op) {
-    case IssueOp::kCvtE4m3:
-      return "cvt e4m3x2->f16x2 (F2FP)";
-    case IssueOp::kFmul:
-      return "FMUL";
-    case IssueOp::kHfma2:
-      return "HFMA2";
-    case IssueOp::kPrmt:
-      return "PRMT";
-    case IssueOp::kLop3:
-      return "LOP3";
-    case IssueOp::kCvtLop3:
-      return "F2FP + LOP3, half each";
-  }
-  return "?";
+  return kEntries[int(op)].name;
 }
 
 cudaError_t measure_issue_rate(IssueOp op, int num_sms, std::vector<double>& per_sm,
