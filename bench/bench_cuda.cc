@@ -921,8 +921,9 @@ int main(int argc, char** argv) {
           cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess,
           kBackend, "multiprocessor count");
       fmt::print(
-          "{:<28} {:>12} {:>10} {:>10}  (warp instructions per SM per clock, one CTA an SM)\n",
-          "issue rate", "median", "min", "max");
+          "{:<28} {:>12} {:>10} {:>10} {:>10}  (warp instructions per SM per clock, one CTA an "
+          "SM; steps: pairs widened, for the widenings)\n",
+          "issue rate", "median", "min", "max", "steps");
       for (bench::IssueOp op : bench::kIssueOps) {
         std::vector<double> per_sm;
         const cudaError_t err = bench::measure_issue_rate(op, num_sms, per_sm, be.stream());
@@ -930,8 +931,9 @@ int main(int argc, char** argv) {
                      bench::issue_op_name(op), ": ", cudaGetErrorString(err));
         std::sort(per_sm.begin(), per_sm.end());
         const double median = per_sm[per_sm.size() / 2];
-        fmt::print("{:<28} {:>12.3f} {:>10.3f} {:>10.3f}\n", bench::issue_op_name(op), median,
-                   per_sm.front(), per_sm.back());
+        fmt::print("{:<28} {:>12.3f} {:>10.3f} {:>10.3f} {:>10.3f}\n", bench::issue_op_name(op),
+                   median, per_sm.front(), per_sm.back(),
+                   median / bench::issue_op_instructions(op));
         j["issue_rates"][bench::issue_op_name(op)] = median;
       }
     }

@@ -1,12 +1,14 @@
 // The issue rate of single instructions on one SM: how many warp instructions of a kind an SM
 // retires per clock when nothing else runs. The FP8 sparse kernels widen every code they read
-// (`F2FP.F16.E4M3.UNPACK_B`, a pair of codes each) beside their FMUL / PRMT / LOP3 work; these
-// rates turn a kernel's SASS census per block into a floor (docs/perf.md).
+// (`F2FP.F16.E4M3.UNPACK_B`, a pair of codes each, or by bits: e4m3_pair_to_f16x2_bits' three
+// integer instructions) beside their FMUL / PRMT / LOP3 work; these rates turn a kernel's SASS
+// census per block into a floor (docs/perf.md).
 //
 // One CTA per SM (its dynamic shared memory keeps a second one off), 16 warps, each thread
-// kChains independent chains advanced by the instruction kUnroll times an iteration (32
-// instructions an iteration, kChains - 1 independent ones between two steps of a chain); the asm
-// statements keep each as exactly one PTX instruction on run-time operands (nothing to fold).
+// kChains independent chains advanced by a step kUnroll times an iteration (32 steps an
+// iteration, kChains - 1 independent ones between two steps of a chain); a step is one
+// instruction (the asm statements keep each exactly one PTX instruction on run-time operands:
+// nothing to fold) or the bit widening's three dependent ones.
 // Thread 0 reads the SM's clock64 after a barrier on each side of the loop.
 #include <cuda_runtime.h>
 
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "bench/issue_rate.h"
+#include "src/cuda/common/device_utils.cuh"
 
 namespace dsakit::bench {
 namespace {
@@ -39,6 +42,15 @@ __device__ __forceinline__ uint32_t step(uint32_t x, uint32_t k1, uint32_t k2, i
         : "r"(x), "r"(k1));
   } else if constexpr (kOp == IssueOp::kHfma2) {
     asm volatile("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
+  } else if constexpr (kOp == IssueOp::kBits || kOp == IssueOp::kCvtBits) {
+    if (kOp == IssueOp::kCvtBits && chain % 2 == 0) {
+      asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(y) : "h"(uint16_t(x)));
+      return y;
+    }
+    return cuda::e4m3_pair_to_f16x2_bits(x, k1, chain % 4);
+  } else if constexpr (kOp == IssueOp::kImad) {
+    // A run-time multiplier: a chain of constant shifts would fold into one.
+    asm volatile("mad.lo.u32 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
   } else if constexpr (kOp == IssueOp::kPrmt) {
     asm volatile("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(y) : "r"(x), "r"(k1));
   } else {
@@ -77,14 +89,18 @@ using IssueRateKernel = void (*)(uint32_t, uint32_t, int, uint32_t*, long long*)
 struct IssueOpEntry {
   IssueRateKernel kernel;
   const char* name;
+  double instructions;  // a step's, on average over the chains
 };
 constexpr IssueOpEntry kEntries[] = {
-    {issue_rate_kernel<IssueOp::kCvtE4m3>, "cvt e4m3x2->f16x2 (F2FP)"},
-    {issue_rate_kernel<IssueOp::kFmul>, "FMUL"},
-    {issue_rate_kernel<IssueOp::kHfma2>, "HFMA2"},
-    {issue_rate_kernel<IssueOp::kPrmt>, "PRMT"},
-    {issue_rate_kernel<IssueOp::kLop3>, "LOP3"},
-    {issue_rate_kernel<IssueOp::kCvtLop3>, "F2FP + LOP3, half each"},
+    {issue_rate_kernel<IssueOp::kCvtE4m3>, "cvt e4m3x2->f16x2 (F2FP)", 1},
+    {issue_rate_kernel<IssueOp::kFmul>, "FMUL", 1},
+    {issue_rate_kernel<IssueOp::kHfma2>, "HFMA2", 1},
+    {issue_rate_kernel<IssueOp::kPrmt>, "PRMT", 1},
+    {issue_rate_kernel<IssueOp::kLop3>, "LOP3", 1},
+    {issue_rate_kernel<IssueOp::kCvtLop3>, "F2FP + LOP3, half each", 1},
+    {issue_rate_kernel<IssueOp::kImad>, "IMAD", 1},
+    {issue_rate_kernel<IssueOp::kBits>, "e4m3 pair by bits (3 instr)", 3},
+    {issue_rate_kernel<IssueOp::kCvtBits>, "F2FP + by bits, half each", 2},
 };
 static_assert(std::size(kEntries) == std::size(kIssueOps));
 
@@ -103,11 +119,14 @@ cudaError_t launch(IssueOp op, int num_sms, int iters, uint32_t* sink, long long
 const char* issue_op_name(IssueOp op) {
   return kEntries[int(op)].name;
 }
+double issue_op_instructions(IssueOp op) {
+  return kEntries[int(op)].instructions;
+}
 
 cudaError_t measure_issue_rate(IssueOp op, int num_sms, std::vector<double>& per_sm,
                                cudaStream_t stream) {
   per_sm.clear();
-  constexpr int kIters = 4096;  // 16 warps x 4096 x 32 instructions: ~2M warp instructions an SM
+  constexpr int kIters = 4096;  // 16 warps x 4096 x 32 steps: ~2M warp steps an SM
   uint32_t* sink = nullptr;
   long long* cycles = nullptr;
   cudaError_t err = cudaMalloc(&sink, size_t(num_sms) * kThreads * sizeof(uint32_t));
@@ -123,7 +142,8 @@ cudaError_t measure_issue_rate(IssueOp op, int num_sms, std::vector<double>& per
   cudaFree(sink);
   cudaFree(cycles);
   if (err != cudaSuccess) return err;
-  const double instructions = double(kThreads / 32) * kIters * kUnroll * kChains;
+  const double instructions =
+      double(kThreads / 32) * kIters * kUnroll * kChains * kEntries[int(op)].instructions;
   for (long long c : host) per_sm.push_back(c > 0 ? instructions / double(c) : 0.0);
   return cudaSuccess;
 }

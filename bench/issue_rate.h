@@ -17,10 +17,17 @@ enum class IssueOp : int {
   kPrmt,     // prmt.b32: PRMT
   kLop3,     // lop3.b32: LOP3
   kCvtLop3,  // half the chains kCvtE4m3, half kLop3: whether the two share an issue port
+  kImad,     // mad.lo.u32: IMAD (the bit widening's shift compiles to IMAD.SHL.U32)
+  kBits,     // e4m3_pair_to_f16x2_bits: PRMT, IMAD.SHL, LOP3, a pair of codes to f16x2 by bits
+  kCvtBits,  // half the chains kCvtE4m3, half kBits: both widenings side by side
 };
 inline constexpr IssueOp kIssueOps[] = {IssueOp::kCvtE4m3, IssueOp::kFmul, IssueOp::kHfma2,
-                                        IssueOp::kPrmt,    IssueOp::kLop3, IssueOp::kCvtLop3};
+                                        IssueOp::kPrmt,    IssueOp::kLop3, IssueOp::kCvtLop3,
+                                        IssueOp::kImad,    IssueOp::kBits, IssueOp::kCvtBits};
 const char* issue_op_name(IssueOp op);
+// Instructions a step of op's chains takes on average (kBits 3; kCvtBits 2; the rest 1): its
+// rate in steps (pairs widened, for the widenings) is the instruction rate over this.
+double issue_op_instructions(IssueOp op);
 
 // Warp instructions one SM issues per clock when every warp runs op alone: one CTA per SM of
 // 16 warps, each thread 8 independent chains of the instruction, timed by the SM's clock64.
