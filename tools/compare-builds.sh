@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Kernel variants against each other in one call of the device tool (docs/benchmarks.md#reproduce):
 #
-#   tools/compare-builds.sh [--rounds N] [--out DIR] [--jobs J] NAME=SPEC... -- BENCH_ARGS...
+#   tools/compare-builds.sh [--rounds N] [--out DIR] [--jobs J] [--prepare-only] NAME=SPEC... \
+#     -- BENCH_ARGS...
 #
 # SPEC says what variant NAME is:
-#   .          this tree as it is
-#   DIR        this tree with DIR's files copied over it (DIR mirrors the tree's paths)
-#   FILE       this tree with the unified diff FILE applied (`patch -p1`, else `git apply`)
-#   bin:PATH   an already built dsakit_bench_cuda (nothing is built)
+#   .                this tree as it is
+#   DIR              this tree with DIR's files copied over it (DIR mirrors the tree's paths)
+#   FILE             this tree with the unified diff FILE applied (`patch -p1`, else `git apply`)
+#   sed:PATH:SCRIPT  this tree with `sed -e SCRIPT` applied to its file PATH, which must change
+#                    (a knob set another way: sed:src/x.cuh:'s/kTiles = 0/kTiles = 8/')
+#   bin:PATH         an already built dsakit_bench_cuda (nothing is built)
+# --prepare-only writes the variants' trees (build-cmp/NAME/src) and stops before building: to
+# read a variant's SASS here before a device call.
 # Each built variant is a copy of the tree under build-cmp/NAME (sm_90a, Release, tests off; only
 # dsakit_bench_cuda is built, the variants' builds in parallel). Then the benches run interleaved:
 # round r = 1..N (default 2) runs every variant once, one process at a time, odd rounds in the
@@ -27,23 +32,24 @@
 #     --dense --wgmma-only --filter 'glm-5 H=64'
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-rounds=2 out=${OUT:-out}/compare jobs=$(nproc)
+rounds=2 out=${OUT:-out}/compare jobs=$(nproc) prepare_only=0
 names=() specs=()
 while [ $# -gt 0 ]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
+    --prepare-only) prepare_only=1; shift ;;
     --out) out=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *=*) names+=("${1%%=*}"); specs+=("${1#*=}"); shift ;;
-    *) echo "compare-builds.sh: expected NAME=SPEC, --rounds, --out, --jobs or --, got '$1'" >&2
+    *) echo "compare-builds.sh: expected NAME=SPEC, --rounds, --out, --jobs, --prepare-only or --, got '$1'" >&2
        exit 2 ;;
   esac
 done
 bench_args=("$@")
 if [ ${#names[@]} -lt 1 ] || ! [[ $rounds =~ ^[1-9][0-9]*$ ]]; then
-  echo "usage: tools/compare-builds.sh [--rounds N>=1] [--out DIR] [--jobs J] NAME=SPEC... -- BENCH_ARGS..." >&2
+  echo "usage: tools/compare-builds.sh [--rounds N>=1] [--out DIR] [--jobs J] [--prepare-only] NAME=SPEC... -- BENCH_ARGS..." >&2
   exit 2
 fi
 for n in "${names[@]}"; do
@@ -66,13 +72,29 @@ for i in "${!names[@]}"; do
     [ -x "${bench[$n]}" ] || { echo "compare-builds.sh: $n: ${bench[$n]} is not executable" >&2; exit 2; }
     continue
   fi
-  if [ "$s" != . ] && [ ! -d "$s" ] && [ ! -f "$s" ]; then
-    echo "compare-builds.sh: $n: '$s' is neither ., a directory, a patch file nor bin:PATH" >&2; exit 2
+  sed_path='' sed_script=''
+  if [[ $s == sed:* ]]; then
+    rest=${s#sed:} sed_path=${rest%%:*} sed_script=${rest#*:}
+    if [ "$sed_path" = "$rest" ] || [ -z "$sed_script" ] || [ ! -f "$sed_path" ]; then
+      echo "compare-builds.sh: $n: expected sed:PATH:SCRIPT with PATH a file of this tree, got '$s'" >&2
+      exit 2
+    fi
+    if ! edited=$(sed -e "$sed_script" "$sed_path"); then
+      echo "compare-builds.sh: $n: sed failed on $sed_path" >&2; exit 2
+    fi
+    if [ "$edited" = "$(cat "$sed_path")" ]; then
+      echo "compare-builds.sh: $n: '$sed_script' changed nothing in $sed_path" >&2; exit 2
+    fi
+  elif [ "$s" != . ] && [ ! -d "$s" ] && [ ! -f "$s" ]; then
+    echo "compare-builds.sh: $n: '$s' is neither ., a directory, a patch file, sed:PATH:SCRIPT nor bin:PATH" >&2
+    exit 2
   fi
   tree=build-cmp/$n/src
   rm -rf "build-cmp/$n"; mkdir -p "$tree"
-  tar --exclude='./build*' --exclude=./.git --exclude=./out --exclude=./.venv -cf - . | tar -C "$tree" -xf -
+  tar --exclude='./build*' --exclude=./.git --exclude=./out --exclude=./.venv --exclude=./.whl \
+    -cf - . | tar -C "$tree" -xf -
   if [ "$s" = . ]; then :
+  elif [ -n "$sed_path" ]; then sed -i -e "$sed_script" "$tree/$sed_path"
   elif [ -d "$s" ]; then cp -r "$s"/. "$tree"/
   else
     if command -v patch >/dev/null; then patch -s -p1 -d "$tree" <"$s"
@@ -81,6 +103,10 @@ for i in "${!names[@]}"; do
   bench[$n]=build-cmp/$n/build/bench/dsakit_bench_cuda
   to_build+=("$n")
 done
+if [ "$prepare_only" = 1 ]; then
+  for n in "${to_build[@]}"; do echo "$n: build-cmp/$n/src"; done
+  exit 0
+fi
 if [ ${#to_build[@]} -gt 0 ]; then
   per=$(( jobs / ${#to_build[@]} )); [ "$per" -lt 1 ] && per=1
   note "building ${to_build[*]} ($per jobs each)"

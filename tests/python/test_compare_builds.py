@@ -92,9 +92,36 @@ def test_one_round_marks_nothing(tmp_path):
     assert line.split()[6] == "2.000x"
 
 
+def test_sed_variant_tree(tmp_path, rng):
+    """sed:PATH:SCRIPT with --prepare-only: the variant's tree is this one with PATH changed by
+    SCRIPT and every other file as it is; nothing is built or run."""
+    name = f"pytest-sed-{rng.integers(1 << 30)}"
+    path = "tools/compare-builds.sh"
+    try:
+        p = subprocess.run(["bash", str(SCRIPT), "--prepare-only", "--out", str(tmp_path / "o"),
+                            f"{name}=sed:{path}:s/^rounds=2 /rounds=5 /", "--", "--sparse"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        tree = REPO / "build-cmp" / name / "src"
+        assert p.stdout.strip() == f"{name}: build-cmp/{name}/src"
+        original = (REPO / path).read_text().splitlines()
+        changed = (tree / path).read_text().splitlines()
+        diff = [(a, b) for a, b in zip(original, changed) if a != b]
+        assert len(original) == len(changed) and len(diff) == 1
+        assert diff[0][0].startswith("rounds=2 ") and diff[0][1].startswith("rounds=5 ")
+        assert (tree / "README.md").read_bytes() == (REPO / "README.md").read_bytes()
+        assert not (REPO / "build-cmp" / name / "build").exists()
+        assert not list(tmp_path.glob("o/*-r*.json"))
+    finally:
+        subprocess.run(["rm", "-rf", str(REPO / "build-cmp" / name)], check=True)
+
+
 def test_bad_arguments_are_refused(tmp_path):
     for args in (["--rounds", "0", "a=bin:/bin/true"], ["a"], ["a=bin:/nonexistent"],
-                 ["a=bin:/bin/true", "a=bin:/bin/true"]):
+                 ["a=bin:/bin/true", "a=bin:/bin/true"],
+                 # sed: no script, no such file, a script that changes nothing
+                 ["a=sed:README.md"], ["a=sed:no/such/file:s/x/y/"],
+                 ["a=sed:README.md:s/no such text in the readme 1f0e/x/"]):
         p = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path / "o"), *args, "--"],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2, (args, p.stdout, p.stderr)
