@@ -107,13 +107,6 @@ struct FewHeadsFp8Config {
   static constexpr int kCodeGroups = kScaled ? 8 : 9;  // those read as e4m3 codes
   static constexpr int kTileBytes = kHeads * 128;      // [kN][64] 16-bit
   static constexpr int kPtTiles = kScaled ? 4 : 1;     // Pᵀ tiles a group (one per scale tile)
-  // Oᵀ's M tiles [0, kOBitsTiles): their A widened by e4m3_pair_to_f16x2_bits (code · 2^-8, no
-  // conversion instruction), so their accumulators hold Oᵀ · 2^-8 until the epilogue multiplies
-  // kOScale back (a power of two: the same bits as widening by conversion). 0 (every tile by
-  // conversion) until a device run times 4 and 8 against it (docs/perf.md, run AM1).
-  static constexpr int kOBitsTiles = 0;
-  static constexpr float kOScale = 256.f;
-  static_assert(kOBitsTiles >= 0 && kOBitsTiles <= 8);
   static_assert((kSwizzled ? kRowStride / 16 % 8 == 4 : kRowStride / 16 % 2 == 1) &&
                 kRowStride >= Row::kBytes);
 
@@ -136,11 +129,9 @@ struct FewHeadsFp8Config {
   // Named barriers of group b's 128 threads: its head maxima and sums (1 + b), its Pᵀ (3 + b),
   // its |Q| maximum (5 + b, q_f16_shift).
   static constexpr int kSyncHeads = 1, kSyncPt = 3, kSyncQ = 5;
-  // setmaxnreg's split: 32-head items hold Oᵀ in 128 registers a consumer thread; 16-head
-  // fp8-raw items widening Oᵀ's A by bits need a few more (at 208 / 88 they spill 32 bytes).
-  static constexpr bool kBitsRegs = kOBitsTiles > 0 && kN == 16 && !kScaled;
-  static constexpr int kConsumerRegs = kN == 32 ? 224 : kBitsRegs ? 216 : Sm90Warps::kConsumerRegs;
-  static constexpr int kProducerRegs = kN == 32 ? 56 : kBitsRegs ? 72 : Sm90Warps::kProducerRegs;
+  // setmaxnreg's split: 32-head items hold Oᵀ in 128 registers a consumer thread.
+  static constexpr int kConsumerRegs = kN == 32 ? 224 : Sm90Warps::kConsumerRegs;
+  static constexpr int kProducerRegs = kN == 32 ? 56 : Sm90Warps::kProducerRegs;
 
   // Buffer row of M index m: bits 0 and 2 swapped (odd strides), m itself (swizzled).
   __device__ static int row_of(int m) {
@@ -584,18 +575,10 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int mt = 4 * half + i, word = mt / 2, j = 2 * (mt % 2);  // bytes j, j + 1
-          if (mt < F::kOBitsTiles) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              a[i][r] = e4m3_pair_to_f16x2_bits(w[0][word], w[1][word], j + r);
-              a[i][r + 2] = e4m3_pair_to_f16x2_bits(w[2][word], w[3][word], j + r);
-            }
-          } else {
-            const uint32_t sel = j == 0 ? 0x5140u : 0x7362u;  // bytes j, j + 1 of both paired
-            e4m3x4_to_f16x2x2(__byte_perm(w[0][word], w[1][word], sel), a[i][0], a[i][1]);
-            e4m3x4_to_f16x2x2(__byte_perm(w[2][word], w[3][word], sel), a[i][2], a[i][3]);
-          }
+          const int mt = 4 * half + i, word = mt / 2;
+          const uint32_t sel = mt % 2 == 0 ? 0x5140u : 0x7362u;  // bytes 0, 1 or 2, 3 paired
+          e4m3x4_to_f16x2x2(__byte_perm(w[0][word], w[1][word], sel), a[i][0], a[i][1]);
+          e4m3x4_to_f16x2x2(__byte_perm(w[2][word], w[3][word], sel), a[i][2], a[i][3]);
         }
         sm90::wgmma_fence();
 #pragma unroll
@@ -728,13 +711,11 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   // ---- epilogue: normalize, write ------------------------------------------------------------
   constexpr int kHi = F::Softmax::kHi;
   float total[kHi], factor[kHi], offset[kHi], maxima[kHi];
+  if constexpr (F::kScaled)
 #pragma unroll
-  for (int mt = 0; mt < 8; ++mt)
+    for (int mt = 0; mt < 8; ++mt)
 #pragma unroll
-    for (int i = 0; i < kAcc; ++i) {  // kOScale first: exact, what widening by conversion held
-      if (mt < F::kOBitsTiles) o[mt][i] *= F::kOScale;
-      if constexpr (F::kScaled) o[mt][i] *= __uint_as_float(sigma[mt / 2]);
-    }
+      for (int i = 0; i < kAcc; ++i) o[mt][i] *= __uint_as_float(sigma[mt / 2]);
   const float value_scale = F::kScaled ? 1.f : p.k_scale;
   softmax.finish_alone(warp_heads, warp, g, q, F::kSyncHeads + wg, value_scale, total, factor,
                        offset, maxima, true_max);
