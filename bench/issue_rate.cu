@@ -1,6 +1,6 @@
 // The issue rate of single instructions on one SM: how many warp instructions of a kind an SM
 // retires per clock when nothing else runs. The FP8 sparse kernels widen every code they read
-// (`F2FP.F16.E4M3.UNPACK_B`, a pair of codes each, or by bits: e4m3_pair_to_f16x2_bits' three
+// (`F2FP.F16.E4M3.UNPACK_B`, a pair of codes each, or by bits: e4m3_pair_by_bits' three
 // integer instructions) beside their FMUL / PRMT / LOP3 work; these rates turn a kernel's SASS
 // census per block into a floor (docs/perf.md).
 //
@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "bench/issue_rate.h"
-#include "src/cuda/common/device_utils.cuh"
 
 namespace dsakit::bench {
 namespace {
@@ -25,38 +24,78 @@ namespace {
 constexpr int kThreads = 512, kChains = 8, kUnroll = 4;
 constexpr size_t kSmemOneCta = 120 * 1024;  // over half of an SM's 228 KB: one CTA an SM
 
+__device__ __forceinline__ uint32_t cvt_e4m3x2(uint32_t x) {
+  uint32_t y;
+  asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(y) : "h"(uint16_t(x)));
+  return y;
+}
+__device__ __forceinline__ uint32_t lop3_xor(uint32_t x, uint32_t k1, uint32_t k2) {
+  uint32_t y;
+  asm volatile("lop3.b32 %0, %1, %2, %3, 0x96;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
+  return y;
+}
+// The widening by bits (perf.md, run AM1): byte j of a and of b, e4m3 codes, as one f16 pair of
+// value code · 2^-8 — a sign-replicating PRMT (bit 3 of a selector nibble; __byte_perm has no
+// such bit), a shift (IMAD.SHL) and a mask (LOP3).
+__device__ __forceinline__ uint32_t e4m3_pair_by_bits(uint32_t a, uint32_t b, int j) {
+  const uint32_t sel =
+      uint32_t(j) | (uint32_t(j | 8) << 4) | (uint32_t(4 + j) << 8) | (uint32_t((4 + j) | 8) << 12);
+  uint32_t t;
+  asm volatile("prmt.b32 %0, %1, %2, %3;" : "=r"(t) : "r"(a), "r"(b), "r"(sel));
+  return (t << 7) & 0xbf80bf80u;
+}
+
+__device__ __forceinline__ uint32_t fmul(uint32_t x, uint32_t k1) {
+  uint32_t y;
+  asm volatile(
+      "{ .reg .f32 a, b; mov.b32 a, %1; mov.b32 b, %2; mul.rn.f32 a, a, b; mov.b32 %0, a; }"
+      : "=r"(y)
+      : "r"(x), "r"(k1));
+  return y;
+}
+__device__ __forceinline__ uint32_t hfma2(uint32_t x, uint32_t k1, uint32_t k2) {
+  uint32_t y;
+  asm volatile("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
+  return y;
+}
+// A run-time multiplier: a chain of constant shifts would fold into one.
+__device__ __forceinline__ uint32_t imad(uint32_t x, uint32_t k1, uint32_t k2) {
+  uint32_t y;
+  asm volatile("mad.lo.u32 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
+  return y;
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t x, uint32_t k1) {
+  uint32_t y;
+  asm volatile("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(y) : "r"(x), "r"(k1));
+  return y;
+}
+
+// One step of chain `chain` (the interleaved ops: the even chains the first op, the odd the
+// second).
 template <IssueOp kOp>
 __device__ __forceinline__ uint32_t step(uint32_t x, uint32_t k1, uint32_t k2, int chain) {
-  uint32_t y;
-  if constexpr (kOp == IssueOp::kCvtE4m3 || kOp == IssueOp::kCvtLop3) {
-    if (kOp == IssueOp::kCvtE4m3 || chain % 2 == 0) {
-      asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(y) : "h"(uint16_t(x)));
-      return y;
-    }
-    asm volatile("lop3.b32 %0, %1, %2, %3, 0x96;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
-  } else if constexpr (kOp == IssueOp::kFmul) {
-    asm volatile(
-        "{ .reg .f32 a, b; mov.b32 a, %1; mov.b32 b, %2; mul.rn.f32 a, a, b; "
-        "mov.b32 %0, a; }"
-        : "=r"(y)
-        : "r"(x), "r"(k1));
-  } else if constexpr (kOp == IssueOp::kHfma2) {
-    asm volatile("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
-  } else if constexpr (kOp == IssueOp::kBits || kOp == IssueOp::kCvtBits) {
-    if (kOp == IssueOp::kCvtBits && chain % 2 == 0) {
-      asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(y) : "h"(uint16_t(x)));
-      return y;
-    }
-    return cuda::e4m3_pair_to_f16x2_bits(x, k1, chain % 4);
-  } else if constexpr (kOp == IssueOp::kImad) {
-    // A run-time multiplier: a chain of constant shifts would fold into one.
-    asm volatile("mad.lo.u32 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
-  } else if constexpr (kOp == IssueOp::kPrmt) {
-    asm volatile("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(y) : "r"(x), "r"(k1));
-  } else {
-    asm volatile("lop3.b32 %0, %1, %2, %3, 0x96;" : "=r"(y) : "r"(x), "r"(k1), "r"(k2));
+  const bool even = chain % 2 == 0;
+  switch (kOp) {
+    case IssueOp::kCvtE4m3:
+      return cvt_e4m3x2(x);
+    case IssueOp::kFmul:
+      return fmul(x, k1);
+    case IssueOp::kHfma2:
+      return hfma2(x, k1, k2);
+    case IssueOp::kPrmt:
+      return prmt(x, k1);
+    case IssueOp::kLop3:
+      return lop3_xor(x, k1, k2);
+    case IssueOp::kCvtLop3:
+      return even ? cvt_e4m3x2(x) : lop3_xor(x, k1, k2);
+    case IssueOp::kImad:
+      return imad(x, k1, k2);
+    case IssueOp::kBits:
+      return e4m3_pair_by_bits(x, k1, chain % 4);
+    case IssueOp::kCvtBits:
+      return even ? cvt_e4m3x2(x) : e4m3_pair_by_bits(x, k1, chain % 4);
   }
-  return y;
+  return x;
 }
 
 // cycles[blockIdx.x]: the SM's clocks for iters iterations of all 16 warps. sink is written only

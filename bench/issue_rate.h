@@ -18,7 +18,7 @@ enum class IssueOp : int {
   kLop3,     // lop3.b32: LOP3
   kCvtLop3,  // half the chains kCvtE4m3, half kLop3: whether the two share an issue port
   kImad,     // mad.lo.u32: IMAD (the bit widening's shift compiles to IMAD.SHL.U32)
-  kBits,     // e4m3_pair_to_f16x2_bits: PRMT, IMAD.SHL, LOP3, a pair of codes to f16x2 by bits
+  kBits,     // a pair of e4m3 codes to f16x2 by bits: PRMT, IMAD.SHL, LOP3 (issue_rate.cu)
   kCvtBits,  // half the chains kCvtE4m3, half kBits: both widenings side by side
 };
 inline constexpr IssueOp kIssueOps[] = {IssueOp::kCvtE4m3, IssueOp::kFmul, IssueOp::kHfma2,

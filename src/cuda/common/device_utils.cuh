@@ -75,20 +75,6 @@ __device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t x, uint32_t& lo, uint
       : "r"(x));
 }
 
-// Byte j (< 4) of a and of b, e4m3 codes, as one f16 pair (a's in the low half) of value
-// code · 2^-8, exactly, without the conversion unit: a code's 7 exponent and mantissa bits moved
-// into f16's (bits 13-7), its sign into bit 15. Every non-NaN code, subnormals included, maps
-// to its value times 2^-8 (f16's exponent bias is 8 above e4m3's); NaN codes give a finite ±1.875.
-// One byte permute (each code beside a byte of its sign), a shift and a mask.
-__device__ __forceinline__ uint32_t e4m3_pair_to_f16x2_bits(uint32_t a, uint32_t b, int j) {
-  // Selector: a's byte j, its sign replicated (bit 3 of a nibble), b's byte j, its sign.
-  const uint32_t sel =
-      uint32_t(j) | (uint32_t(j | 8) << 4) | (uint32_t(4 + j) << 8) | (uint32_t((4 + j) | 8) << 12);
-  uint32_t t;  // prmt, not __byte_perm: the sign-replicating bit of a selector nibble is PTX's
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(t) : "r"(a), "r"(b), "r"(sel));
-  return (t << 7) & 0xbf80bf80u;
-}
-
 // Eight e4m3 codes (codes.x: codes 0-3, low byte first) as f16, one 16-byte chunk of 8 f16:
 // exact (every e4m3 value, subnormals included, is an f16 value), one conversion per pair.
 __device__ __forceinline__ uint4 e4m3x8_to_f16(uint2 codes) {
