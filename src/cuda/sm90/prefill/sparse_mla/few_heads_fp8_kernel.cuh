@@ -644,8 +644,8 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     bool ok[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) ok[r] = checked_location(p, next[r]) >= 0;
-    if (blk + 1 < my_blocks) row_slots(blk + 1, next);
-    const bool more = blk + 1 < my_blocks;
+    const bool more = blk + 1 < my_blocks;  // a next block
+    if (more) row_slots(blk + 1, next);
     uint32_t next_buffer = 0;
     if constexpr (F::kSAhead == 0) {
       sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (i / F::kStages) & 1);
