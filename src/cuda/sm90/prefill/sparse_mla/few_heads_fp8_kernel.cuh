@@ -98,12 +98,6 @@ struct FewHeadsFp8Config {
   static constexpr bool kLean = kN == 32;
   // 32-head items: a token's two items in one CTA (H > 32) share the ring's rows (PairOrder).
   static constexpr bool kShareRows = kN == 32;
-  // Sᵀ's first kSAhead column groups (of 9) of the next block issued before this block's
-  // softmax, so their widening and MMAs overlap its reductions and barriers (the rest after its
-  // Oᵀ); 0: each block's Sᵀ whole at its start. fp8-raw pools only (656-byte pools read a block's
-  // tile scales at its start). Not yet timed on the device (docs/perf.md, after run AN1).
-  static constexpr int kSAhead = kScaled ? 0 : 0;
-  static_assert(kSAhead >= 0 && kSAhead < kDimQk / 64 && (kSAhead == 0 || !kScaled));
   static constexpr int kStages = kScaled || kSwizzled ? 4 : 5;  // as many buffers as fit
   static constexpr int kRowChunks = Row::kBytes / 16;           // 36 | 41 chunks of 16 bytes a row
   // An odd number of chunks (see the row order): 592 | 656; swizzled 576.
@@ -470,33 +464,32 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     }
   };
 
-  // Sᵀ = K · Qᵀ of the block in `buffer`, column groups [u0, u1) into `sacc` (u0 = 0 starts it),
-  // retired on return where u1 = 9 (else in flight: the next wait retires them): column group u's
-  // codes loaded one group ahead, widened into A fragment set u % 2 once the MMAs of group u - 2
-  // have retired (a set stays allocated until the wait that retires its MMAs: fence_operands).
-  // 656-byte: tile t's two groups into acc[t], the rope (bf16, loaded as A) into sacc, and
-  // sacc += Σ_t scale_t · acc[t] (u0 = 0, u1 = 9 only).
-  const auto compute_s = [&](uint32_t buffer, float(&sacc)[kAcc], int u0, int u1) {
+  // Sᵀ = K · Qᵀ of the block in `buffer`, retired on return: column group u's codes loaded one
+  // group ahead, widened into A fragment set u % 2 once the MMAs of group u - 2 have retired (a
+  // set stays allocated until the wait that retires its MMAs: fence_operands). 656-byte: tile t's
+  // two groups into acc[t], the rope (bf16, loaded as A) into s, and s += Σ_t scale_t · acc[t].
+  const auto compute_s = [&](uint32_t buffer) {
     uint32_t as[2][4][4];
     uint4 raw[2][2];
     float acc[F::kScaled ? 4 : 1][kAcc];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) raw[0][r] = sm90::ld_shared_u32x4(buffer + s_row[r] + s_chunk);
     const auto load_raw = [&](int u) {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
         raw[F::kLean ? 0 : u % 2][r] = sm90::ld_shared_u32x4(buffer + s_row[r] + s_chunk + 64 * u);
     };
-    load_raw(u0);
 #pragma unroll
-    for (int u = u0; u < u1; ++u) {
-      if (!F::kLean && u + 1 < min(u1, F::kCodeGroups)) load_raw(u + 1);
+    for (int u = 0; u < F::kGroups; ++u) {
+      if (!F::kLean && u + 1 < F::kCodeGroups) load_raw(u + 1);
       uint32_t(&a)[4][4] = as[u % 2];
-      if (u >= u0 + 2) {
+      if (u >= 2) {
         sm90::wgmma_wait<1>();
         sm90::fence_operands(a);
       }
       if (u < F::kCodeGroups) {
         widen_codes(raw[F::kLean ? 0 : u % 2], a);
-        if (F::kLean && u + 1 < min(u1, F::kCodeGroups)) load_raw(u + 1);
+        if (F::kLean && u + 1 < F::kCodeGroups) load_raw(u + 1);
       } else {
         // The 656-byte rope: word e of chunk q + 4h of row r is the pair of step 2h + e / 2 (a[r]
         // for even e, a[r + 2] for odd).
@@ -517,20 +510,16 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
       for (int st = 0; st < 4; ++st) {
         const uint64_t b = dq + uint64_t((u * F::kTileBytes + 32 * st) >> 4);
         if constexpr (!F::kScaled)
-          sm90::wgmma_m64nNk16_rs<kN, kAb>(sacc, a[st], b, u > 0 || st > 0);
+          sm90::wgmma_m64nNk16_rs<kN, kAb>(s, a[st], b, u > 0 || st > 0);
         else if (u < F::kCodeGroups)
           sm90::wgmma_m64nNk16_rs<kN, kAb>(acc[u / 2], a[st], b, u % 2 > 0 || st > 0);
         else
-          sm90::wgmma_m64nNk16_rs<kN, sm90::Ab::kBf16>(sacc, a[st], b, st > 0);
+          sm90::wgmma_m64nNk16_rs<kN, sm90::Ab::kBf16>(s, a[st], b, st > 0);
       }
       sm90::wgmma_commit();
     }
-    if (u1 < F::kGroups) {  // in flight past the return
-      sm90::fence_operands(sacc);
-      return;
-    }
     sm90::wgmma_wait<0>();
-    sm90::fence_operands(sacc);
+    sm90::fence_operands(s);
     sm90::fence_operands(as[0]);
     sm90::fence_operands(as[1]);
     if constexpr (F::kScaled) {
@@ -538,7 +527,7 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
       for (int t = 0; t < 4; ++t) {
         sm90::fence_operands(acc[t]);
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) sacc[i] = fmaf(acc[t][i], row_scale[i / 2 % 2][t], sacc[i]);
+        for (int i = 0; i < kAcc; ++i) s[i] = fmaf(acc[t][i], row_scale[i / 2 % 2][t], s[i]);
       }
     }
   };
@@ -624,17 +613,6 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
   };
   int32_t next[2] = {-1, -1};
   if (my_blocks > 0) row_slots(0, next);
-  // Block blk's buffer, once the producer has filled it.
-  const auto full_buffer = [&](int blk) {
-    const int i = pair.order.template shared_index<kShare>(wg, blk);  // its ring index
-    const int stage = i % F::kStages;
-    sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (i / F::kStages) & 1);
-    return base + F::kRing + stage * F::kStageBytes;
-  };
-  // kSAhead > 0: the next block's Sᵀ, its first kSAhead groups issued before this block's softmax.
-  float s_next[F::kSAhead > 0 ? kAcc : 1];
-  if constexpr (F::kSAhead > 0)
-    if (my_blocks > 0) compute_s(full_buffer(0), s, 0, F::kGroups);
 
 #pragma unroll 1
   for (int blk = 0; blk < my_blocks; ++blk) {
@@ -644,16 +622,8 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
     bool ok[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) ok[r] = checked_location(p, next[r]) >= 0;
-    const bool more = blk + 1 < my_blocks;  // a next block
-    if (more) row_slots(blk + 1, next);
-    uint32_t next_buffer = 0;
-    if constexpr (F::kSAhead == 0) {
-      sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (i / F::kStages) & 1);
-    } else if (more) {
-      next_buffer = full_buffer(blk + 1);
-      sm90::fence_operands(s_next);
-      compute_s(next_buffer, s_next, 0, F::kSAhead);
-    }
+    if (blk + 1 < my_blocks) row_slots(blk + 1, next);
+    sm90::mbarrier_wait(base + F::kBarFull + 8 * stage, (i / F::kStages) & 1);
     // 656-byte: per tile, the largest finite |scale| of this thread's two rows.
     float scale_max[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (F::kScaled)
@@ -668,10 +638,8 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
           scale_max[t] = a < INFINITY ? fmaxf(scale_max[t], a) : scale_max[t];  // not NaN, inf
         }
       }
-    if constexpr (F::kSAhead == 0) {
-      sm90::fence_operands(s);
-      compute_s(buffer, s, 0, F::kGroups);
-    }
+    sm90::fence_operands(s);
+    compute_s(buffer);
 
     softmax.publish_max(s, ok, warp_heads, warp, g, q);
     if constexpr (F::kScaled) {
@@ -738,12 +706,6 @@ __global__ void __launch_bounds__(Sm90Warps::kThreads, 1)
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt) sm90::fence_operands(o[mt]);
     compute_o(buffer, base + F::kBarEmpty + 8 * stage);
-    if constexpr (F::kSAhead > 0)
-      if (more) {  // the rest of the next block's Sᵀ (its first groups retired with Oᵀ)
-        compute_s(next_buffer, s_next, F::kSAhead, F::kGroups);
-#pragma unroll
-        for (int x = 0; x < kAcc; ++x) s[x] = s_next[x];
-      }
   }
 
   // ---- epilogue: normalize, write ------------------------------------------------------------
